@@ -1,0 +1,27 @@
+# make demo   the main job (builds first)
+# make test   the whole test suite (builds first)
+# Both set up everything themselves: on a host without LibTorch >= 2.6 they create a
+# Debian 13 build root once (tools/buildroot.sh) and work inside it.
+BUILD ?= build
+RUN := tools/in_env.sh
+JOBS ?= $(shell nproc)
+
+.PHONY: all build demo test format clean
+
+all: build
+
+build:
+	$(RUN) cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	$(RUN) cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	$(RUN) $(BUILD)/hp-run -n 4 --timeout 300 -- $(BUILD)/examples/collectives_check
+
+test: build
+	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+format:
+	$(RUN) clang-format -i $(shell git ls-files '*.cpp' '*.h')
+
+clean:
+	rm -rf $(BUILD)

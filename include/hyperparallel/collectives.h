@@ -1,0 +1,48 @@
+#pragma once
+// Stateless collectives over a Group. Every call is asynchronous and returns a
+// CommHandle; tensors must stay alive and untouched until wait(). Group ranks (not
+// global ranks) name peers. On a group of size 1 nothing is communicated: the result
+// is produced locally and the handle is a no-op.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hyperparallel/comm_handle.h"
+#include "hyperparallel/process_group.h"
+
+namespace hp {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+
+// "sum", "avg", "max", "min" (case-insensitive); throws naming the accepted values.
+ReduceOp parse_reduce_op(const std::string& name);
+std::string to_string(ReduceOp op);
+
+// output (contiguous, numel = group size x input numel) <- inputs of all ranks in
+// group-rank order, flat.
+CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& group);
+
+// output (contiguous, numel = input numel / group size) <- this rank's chunk of the
+// element-wise reduction of all inputs (flat, chunked in group-rank order).
+// kAvg divides by the group size (Gloo's own AVG silently sums: it is not used).
+CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
+                          const Group& group);
+
+// In place, any contiguous tensor.
+CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group);
+
+// Exchanges dim-0 slices: input is split into input_splits rows per destination rank,
+// output receives output_splits rows from each source rank. Empty splits mean equal.
+CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& group,
+                      std::vector<int64_t> output_splits = {},
+                      std::vector<int64_t> input_splits = {});
+
+CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group);
+CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag = 0);
+CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag = 0);
+CommHandle barrier(const Group& group);
+
+}  // namespace hp

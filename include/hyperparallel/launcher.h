@@ -1,0 +1,60 @@
+#pragma once
+// Starts N local ranks of a command with a torchrun-compatible environment
+// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
+// watches them, and tears all of them down when one fails or time runs out.
+// Used by the `hp-run` program and by the multi-rank test harness.
+//
+// Each rank runs in its own process group, with stdin from /dev/null and stdout+stderr
+// into a pipe read by the launcher. Teardown sends SIGTERM to every remaining rank's
+// process group (so a rank's own children stop too) and SIGKILL 2 s later.
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace hp {
+
+struct LaunchOptions {
+  int nprocs = 1;
+  std::vector<std::string> command;  // argv; command[0] is looked up in PATH
+  // Added to every rank's environment on top of ours; RANK, MASTER_PORT, ... win over it.
+  std::map<std::string, std::string> extra_env;
+  std::chrono::milliseconds timeout{0};  // 0: no limit
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: pick a free port on master_addr
+  // true: copy each rank's output lines to our stdout as "[rank K] line" as they come;
+  // false: keep each rank's output (stdout and stderr merged) in RankResult::output.
+  bool prefix_output = true;
+};
+
+struct RankResult {
+  int rank = 0;
+  int exit_code = 0;                // exit status, or 128 + signal number when killed by a signal
+  bool killed_by_launcher = false;  // stopped for another rank's failure, timeout, interrupt
+  std::string output;               // only filled when prefix_output is false
+};
+
+struct LaunchResult {
+  // 0 when every rank exited 0; otherwise the exit code of the first rank that failed
+  // (124 on timeout, like coreutils `timeout`; 128 + signal when interrupted, see below).
+  int exit_code = 0;
+  bool timed_out = false;
+  int first_failed_rank = -1;  // -1 when none failed
+  std::vector<RankResult> ranks;
+};
+
+// Runs the ranks to completion. Throws std::runtime_error for bad options
+// (nprocs < 1, empty command) or when the processes cannot be started (e.g. the command
+// cannot be executed); ranks already started are killed first.
+//
+// SIGINT, SIGTERM and SIGHUP received meanwhile (unless ignored) are forwarded to the
+// ranks; once they are gone the signal is re-raised with the caller's disposition restored,
+// so by default the process then dies of it. On Linux a rank is also SIGKILLed when the
+// launching thread dies. SIGCHLD must not be ignored (SIG_IGN) by the caller.
+LaunchResult launch_local(const LaunchOptions& options);
+
+// A TCP port that was free on `addr` at the time of the call.
+int find_free_port(const std::string& addr = "127.0.0.1");
+
+}  // namespace hp

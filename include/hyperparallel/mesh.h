@@ -1,0 +1,61 @@
+#pragma once
+// A named N-D mesh of ranks, e.g. {{"dp_replicate", 2}, {"dp_shard", 2}} over 4 ranks.
+// Ranks are laid out row-major (the last dimension varies fastest). The mesh creates one
+// process group per dimension — the ranks that differ only in that coordinate — and, on
+// request, one per flattened set of dimensions (e.g. "dp" = replicate x shard).
+//
+// Group creation is a rendezvous: every rank constructs the same meshes and calls
+// flatten() with the same arguments, in the same order.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hyperparallel/process_group.h"
+
+namespace hp {
+
+struct MeshDim {
+  std::string name;
+  int64_t size;
+};
+
+class DeviceMesh {
+ public:
+  // A mesh over all ranks of `world`: the product of the sizes must equal world->size().
+  DeviceMesh(std::shared_ptr<World> world, std::vector<MeshDim> dims);
+
+  // Joins the world from the launch environment, then builds the mesh.
+  static DeviceMesh from_env(std::vector<MeshDim> dims, WorldOptions options = {});
+
+  const std::shared_ptr<World>& world() const;
+  int64_t ndim() const;
+  std::vector<std::string> dim_names() const;
+  int64_t size() const;  // number of ranks in this (sub-)mesh
+  int64_t size(const std::string& dim) const;
+  int64_t coordinate(const std::string& dim) const;  // this rank's index along `dim`
+  int64_t global_rank() const;
+
+  // `dim` is a mesh dimension or a flattened name. Global ranks of this rank's group.
+  std::vector<int64_t> group_ranks(const std::string& dim) const;
+  const GroupPtr& group(const std::string& dim) const;
+
+  // Creates the group over `dims` (in mesh order) under `name`; returns it.
+  const GroupPtr& flatten(const std::vector<std::string>& dims, const std::string& name);
+
+  // The sub-mesh of this rank over `dims` (kept in mesh order). It shares the parent's
+  // groups, including flattened groups made only of those dims.
+  DeviceMesh slice(const std::vector<std::string>& dims) const;
+
+ private:
+  struct Layout;
+  DeviceMesh(std::shared_ptr<Layout> layout, std::vector<size_t> kept);
+  size_t index_of(const std::string& dim) const;  // position in the root layout
+
+  std::shared_ptr<Layout> layout_;  // the root mesh's dims and groups
+  std::vector<size_t> kept_;        // root dims this (sub-)mesh spans
+};
+
+}  // namespace hp

@@ -1,0 +1,92 @@
+#pragma once
+// The world of ranks (one TCPStore, one collective timeout) and the process groups
+// created over it. A Group of size 1 has no backend: collectives on it do no
+// communication and return no-op handles.
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Backend;
+class Store;
+}  // namespace c10d
+
+namespace hp {
+
+struct LaunchEnv;
+
+class Group {
+ public:
+  Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
+        c10::intrusive_ptr<c10d::Backend> cpu_backend,
+        c10::intrusive_ptr<c10d::Backend> cuda_backend);
+  ~Group();
+
+  const std::string& name() const { return name_; }
+  int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
+  int64_t rank() const { return rank_; }  // this process's rank within the group
+  const std::vector<int64_t>& ranks() const { return ranks_; }  // global ranks, ascending
+
+  // The backend for tensors on `device_type`: Gloo for CPU, NCCL for CUDA (when built
+  // with CUDA). Throws for size-1 groups, which need none, and for unsupported devices.
+  c10d::Backend& backend(c10::DeviceType device_type) const;
+
+ private:
+  std::string name_;
+  std::vector<int64_t> ranks_;
+  int64_t rank_;
+  c10::intrusive_ptr<c10d::Backend> cpu_backend_;
+  c10::intrusive_ptr<c10d::Backend> cuda_backend_;
+};
+
+using GroupPtr = std::shared_ptr<Group>;
+
+struct WorldOptions {
+  // How long a collective or the rendezvous waits for the other ranks before failing:
+  // a rank that died makes the others fail after this, never hang forever.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+class World {
+ public:
+  // Joins the ranks described by the torchrun-style environment (see LaunchEnv).
+  static std::shared_ptr<World> from_env(WorldOptions options = {});
+  static std::shared_ptr<World> create(const LaunchEnv& env, WorldOptions options = {});
+  ~World();
+
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+
+  // The group of all ranks.
+  const GroupPtr& world_group() const { return world_group_; }
+
+  // Creates the group `ranks` (global ranks, which must contain this rank) under a
+  // name unique among groups of this World. Every member must call it, and all members
+  // must create their groups in the same order (the rendezvous blocks until all joined).
+  GroupPtr new_group(const std::string& name, std::vector<int64_t> ranks);
+
+  // 0, 1, 2, ... per call: names meshes consistently on all ranks (who build the same
+  // meshes in the same order), so their groups get distinct names.
+  int64_t next_mesh_id() { return mesh_count_++; }
+
+ private:
+  World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
+        WorldOptions options);
+
+  int64_t rank_;
+  int64_t size_;
+  std::string local_address_;  // where this rank's Gloo transport listens
+  c10::intrusive_ptr<c10d::Store> store_;
+  WorldOptions options_;
+  GroupPtr world_group_;
+  int64_t mesh_count_ = 0;
+};
+
+}  // namespace hp

@@ -1,0 +1,204 @@
+#include "hyperparallel/collectives.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cctype>
+#include <numeric>
+#include <stdexcept>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace hp {
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+void require_contiguous(const at::Tensor& tensor, const char* op, const char* what) {
+  require(tensor.defined(), std::string(op) + ": " + what + " is undefined");
+  require(tensor.is_contiguous(),
+          std::string(op) + ": " + what + " must be contiguous (call .contiguous())");
+}
+
+// Gloo's AVG throws in all-reduce and silently sums in reduce-scatter, so averages are
+// computed as SUM followed by a division when the result is consumed.
+c10d::ReduceOp backend_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  throw std::logic_error("unknown ReduceOp");
+}
+
+std::function<void()> average_after(ReduceOp op, at::Tensor result, int64_t group_size) {
+  if (op != ReduceOp::kAvg || group_size == 1) return {};
+  if (!at::isFloatingType(result.scalar_type())) {
+    throw std::invalid_argument("reduce op avg needs a floating-point tensor, got " +
+                                std::string(c10::toString(result.scalar_type())));
+  }
+  return [result, group_size]() mutable { result.div_(group_size); };
+}
+
+c10d::Backend& backend_for(const Group& group, const at::Tensor& tensor) {
+  return group.backend(tensor.device().type());
+}
+
+void check_peer(int64_t peer, const Group& group, const char* op) {
+  require(peer >= 0 && peer < group.size(),
+          std::string(op) + ": group rank " + std::to_string(peer) + " is outside group '" +
+              group.name() + "' of size " + std::to_string(group.size()));
+}
+
+}  // namespace
+
+ReduceOp parse_reduce_op(const std::string& name) {
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  if (lower == "sum") return ReduceOp::kSum;
+  if (lower == "avg" || lower == "mean") return ReduceOp::kAvg;
+  if (lower == "max") return ReduceOp::kMax;
+  if (lower == "min") return ReduceOp::kMin;
+  throw std::invalid_argument("unknown reduce op '" + name +
+                              "'; use \"sum\", \"avg\", "
+                              "\"max\" or \"min\"");
+}
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "?";
+}
+
+CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& group) {
+  require_contiguous(output, "all_gather", "output");
+  require_contiguous(input, "all_gather", "input");
+  require(
+      output.numel() == input.numel() * group.size() && output.scalar_type() == input.scalar_type(),
+      "all_gather: output must have group size (" + std::to_string(group.size()) +
+          ") x input numel (" + std::to_string(input.numel()) +
+          ") elements of the input's "
+          "dtype; got " +
+          std::to_string(output.numel()));
+  if (group.size() == 1) {
+    output.view(-1).copy_(input.view(-1));
+    return {};
+  }
+  at::Tensor out_flat = output.view(-1);
+  at::Tensor in_flat = input.view(-1);
+  return CommHandle::from_work(backend_for(group, input)._allgather_base(out_flat, in_flat));
+}
+
+CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
+                          const Group& group) {
+  require_contiguous(output, "reduce_scatter", "output");
+  require_contiguous(input, "reduce_scatter", "input");
+  require(
+      input.numel() == output.numel() * group.size() && output.scalar_type() == input.scalar_type(),
+      "reduce_scatter: input must have group size (" + std::to_string(group.size()) +
+          ") x output numel (" + std::to_string(output.numel()) +
+          ") elements of the "
+          "output's dtype (pad the input to a multiple of the group size); got " +
+          std::to_string(input.numel()));
+  if (group.size() == 1) {
+    output.view(-1).copy_(input.view(-1));
+    return {};
+  }
+  at::Tensor out_flat = output.view(-1);
+  at::Tensor in_flat = input.view(-1);
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = backend_op(op);
+  auto work = backend_for(group, input)._reduce_scatter_base(out_flat, in_flat, options);
+  return CommHandle::from_work(std::move(work), average_after(op, output, group.size()));
+}
+
+CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
+  require_contiguous(tensor, "all_reduce", "tensor");
+  if (group.size() == 1) return {};
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = backend_op(op);
+  auto work = backend_for(group, tensor).allreduce(tensors, options);
+  return CommHandle::from_work(std::move(work), average_after(op, tensor, group.size()));
+}
+
+CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& group,
+                      std::vector<int64_t> output_splits, std::vector<int64_t> input_splits) {
+  require_contiguous(output, "all_to_all", "output");
+  require_contiguous(input, "all_to_all", "input");
+  const auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
+                                const char* what) {
+    if (splits.empty()) {
+      require(t.dim() > 0 && t.size(0) % group.size() == 0,
+              std::string("all_to_all: without ") + what + " splits, dim 0 of the " + what +
+                  " must divide evenly by the group size " + std::to_string(group.size()));
+      return;
+    }
+    require(static_cast<int64_t>(splits.size()) == group.size() &&
+                std::all_of(splits.begin(), splits.end(), [](int64_t s) { return s >= 0; }) &&
+                std::accumulate(splits.begin(), splits.end(), int64_t{0}) == t.size(0),
+            std::string("all_to_all: ") + what +
+                " splits need one non-negative entry per "
+                "group rank, summing to dim 0 of the " +
+                what);
+  };
+  check_splits(output_splits, output, "output");
+  check_splits(input_splits, input, "input");
+  if (group.size() == 1) {
+    output.copy_(input);
+    return {};
+  }
+  at::Tensor out = output;
+  at::Tensor in = input;
+  return CommHandle::from_work(
+      backend_for(group, input).alltoall_base(out, in, output_splits, input_splits));
+}
+
+CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
+  require_contiguous(tensor, "broadcast", "tensor");
+  check_peer(src, group, "broadcast");
+  if (group.size() == 1) return {};
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = src;
+  return CommHandle::from_work(backend_for(group, tensor).broadcast(tensors, options));
+}
+
+CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
+  require_contiguous(tensor, "send", "tensor");
+  check_peer(dst, group, "send");
+  require(dst != group.rank(), "send: a rank cannot send to itself");
+  std::vector<at::Tensor> tensors{tensor};
+  return CommHandle::from_work(
+      backend_for(group, tensor).send(tensors, static_cast<int>(dst), tag));
+}
+
+CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
+  require_contiguous(tensor, "recv", "tensor");
+  check_peer(src, group, "recv");
+  require(src != group.rank(), "recv: a rank cannot receive from itself");
+  std::vector<at::Tensor> tensors{tensor};
+  return CommHandle::from_work(
+      backend_for(group, tensor).recv(tensors, static_cast<int>(src), tag));
+}
+
+CommHandle barrier(const Group& group) {
+  if (group.size() == 1) return {};
+  return CommHandle::from_work(group.backend(c10::DeviceType::CPU).barrier());
+}
+
+}  // namespace hp

@@ -1,0 +1,42 @@
+#include "hyperparallel/comm_handle.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace hp {
+
+struct CommHandle::State {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> on_complete;
+  bool done = false;
+};
+
+CommHandle CommHandle::from_work(c10::intrusive_ptr<c10d::Work> work,
+                                 std::function<void()> on_complete) {
+  CommHandle handle;
+  handle.state_ = std::make_shared<State>();
+  handle.state_->work = std::move(work);
+  handle.state_->on_complete = std::move(on_complete);
+  return handle;
+}
+
+CommHandle CommHandle::deferred(std::function<void()> on_complete) {
+  return from_work({}, std::move(on_complete));
+}
+
+void CommHandle::wait() {
+  if (!state_ || state_->done) return;
+  if (state_->work) state_->work->wait();
+  // Mark done before running the callback so a re-entrant wait() cannot run it twice,
+  // and drop what the callback captured as soon as it ran.
+  state_->done = true;
+  state_->work.reset();
+  auto callback = std::move(state_->on_complete);
+  state_->on_complete = nullptr;
+  if (callback) callback();
+}
+
+bool CommHandle::pending() const { return state_ && !state_->done; }
+
+bool CommHandle::has_work() const { return state_ && state_->work; }
+
+}  // namespace hp

@@ -1,0 +1,510 @@
+// Local multi-process launcher: fork+exec of N ranks, one output pipe per rank, a poll()
+// loop that forwards output and watches exits, and process-group teardown on failure,
+// timeout or interrupt.
+
+#include "hyperparallel/launcher.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <array>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+extern char** environ;
+
+namespace hp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kPollInterval = std::chrono::milliseconds(50);
+// How long a terminated rank may take to shut down before it is SIGKILLed.
+constexpr auto kKillGrace = std::chrono::seconds(2);
+// After every rank has exited, output still in flight is read for at most this long; a
+// pipe held open longer (by a grandchild that left the rank's process group) is abandoned.
+constexpr auto kDrainTime = std::chrono::milliseconds(250);
+// A prefixed "line" is cut here so a rank that never prints '\n' cannot grow memory.
+constexpr size_t kMaxPartialLine = 64 * 1024;
+constexpr size_t kReadChunk = 64 * 1024;
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error("hp::launch_local: " + what);
+}
+
+[[noreturn]] void fail_errno(const std::string& what, int err) {
+  fail(what + ": " + std::strerror(err));
+}
+
+// Ranks run in their own process groups, so a Ctrl-C on the terminal reaches only the
+// launcher. While a launch runs, SIGINT/SIGTERM/SIGHUP are caught here (the poll loop
+// checks the flag), forwarded to the ranks, and re-raised once the ranks are gone.
+constexpr std::array<int, 3> kForwardedSignals = {SIGINT, SIGTERM, SIGHUP};
+volatile std::sig_atomic_t g_caught_signal = 0;
+
+void on_forwarded_signal(int sig) { g_caught_signal = sig; }
+
+// Installs the handlers for the lifetime of the object; nested or concurrent launches
+// share one installation.
+class SignalForwarding {
+ public:
+  SignalForwarding() {
+    std::lock_guard lock(mutex_);
+    if (users_++ > 0) return;
+    g_caught_signal = 0;
+    struct sigaction action{};
+    action.sa_handler = on_forwarded_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    for (size_t i = 0; i < kForwardedSignals.size(); ++i) {
+      sigaction(kForwardedSignals[i], nullptr, &previous_[i]);
+      // An ignored signal (e.g. under nohup) stays ignored, for us and for the ranks.
+      installed_[i] = previous_[i].sa_handler != SIG_IGN;
+      if (installed_[i]) sigaction(kForwardedSignals[i], &action, nullptr);
+    }
+  }
+
+  ~SignalForwarding() {
+    std::lock_guard lock(mutex_);
+    if (--users_ > 0) return;
+    for (size_t i = 0; i < kForwardedSignals.size(); ++i) {
+      if (installed_[i]) sigaction(kForwardedSignals[i], &previous_[i], nullptr);
+    }
+  }
+
+  SignalForwarding(const SignalForwarding&) = delete;
+  SignalForwarding& operator=(const SignalForwarding&) = delete;
+
+ private:
+  static inline std::mutex mutex_;
+  static inline int users_ = 0;
+  static inline std::array<struct sigaction, kForwardedSignals.size()> previous_{};
+  static inline std::array<bool, kForwardedSignals.size()> installed_{};
+};
+
+// The caller's environment; the first definition of a name wins, as for getenv.
+std::map<std::string, std::string> inherited_environment() {
+  std::map<std::string, std::string> env;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    const char* eq = std::strchr(*entry, '=');
+    if (eq != nullptr) env.emplace(std::string(*entry, eq - *entry), std::string(eq + 1));
+  }
+  return env;
+}
+
+// The paths execvp would try for `name`, resolved before fork because execvp itself is not
+// async-signal-safe. PATH comes from the ranks' environment, as with torchrun.
+std::vector<std::string> exec_candidates(const std::string& name,
+                                         const std::map<std::string, std::string>& env) {
+  if (name.find('/') != std::string::npos) return {name};
+  auto path_it = env.find("PATH");
+  const std::string path = path_it != env.end() ? path_it->second : "/bin:/usr/bin";
+  std::vector<std::string> candidates;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = path.find(':', begin);
+    std::string dir = path.substr(begin, end == std::string::npos ? end : end - begin);
+    candidates.push_back((dir.empty() ? "." : dir) + "/" + name);
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return candidates;
+}
+
+std::vector<char*> c_array(std::vector<std::string>& strings) {
+  std::vector<char*> array;
+  for (std::string& s : strings) array.push_back(s.data());
+  array.push_back(nullptr);
+  return array;
+}
+
+// Owns a file descriptor.
+class UniqueFd {
+ public:
+  explicit UniqueFd(int fd = -1) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    reset();
+    fd_ = std::exchange(other.fd_, -1);
+    return *this;
+  }
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  void reset() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// Both ends close on exec, so no rank inherits another rank's pipe.
+std::pair<UniqueFd, UniqueFd> make_pipe() {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) fail_errno("cannot create a pipe", errno);
+  return {UniqueFd(fds[0]), UniqueFd(fds[1])};
+}
+
+int exit_code_of(const siginfo_t& info) {
+  return info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
+}
+
+struct Rank {
+  pid_t pid = -1;       // also its process group id; -1 once reaped
+  UniqueFd out;         // read end of its stdout+stderr pipe; closed at EOF
+  bool exited = false;  // seen with WNOWAIT: the zombie keeps the group id reserved
+  std::string partial;  // prefix mode: text after the last newline
+};
+
+class Launch {
+ public:
+  explicit Launch(const LaunchOptions& options) : options_(options) {
+    result_.ranks.resize(options.nprocs);
+    ranks_.resize(options.nprocs);
+    for (int r = 0; r < options.nprocs; ++r) result_.ranks[r].rank = r;
+  }
+
+  // Only reached with live ranks when an exception cut the launch short.
+  ~Launch() {
+    for (Rank& rank : ranks_) {
+      if (rank.pid > 0) {
+        kill(-rank.pid, SIGKILL);
+        while (waitpid(rank.pid, nullptr, 0) < 0 && errno == EINTR) {
+        }
+      }
+    }
+  }
+
+  Launch(const Launch&) = delete;
+  Launch& operator=(const Launch&) = delete;
+
+  LaunchResult run() {
+    start_ranks();
+    const auto started = Clock::now();
+    std::optional<Clock::time_point> all_exited_at;
+    while (true) {
+      observe_exits();
+      const auto now = Clock::now();
+      if (!teardown_at_) {
+        if (result_.first_failed_rank >= 0) {
+          begin_teardown(SIGTERM);
+        } else if (options_.timeout.count() > 0 && now - started >= options_.timeout) {
+          result_.timed_out = true;
+          begin_teardown(SIGTERM);
+        } else if (g_caught_signal != 0) {
+          interrupted_by_ = g_caught_signal;
+          begin_teardown(interrupted_by_);
+        }
+      } else if (!sigkill_sent_ && now - *teardown_at_ >= kKillGrace) {
+        for (Rank& rank : ranks_) {
+          if (!rank.exited) kill(-rank.pid, SIGKILL);
+        }
+        sigkill_sent_ = true;
+      }
+      if (all_exited()) {
+        if (!all_exited_at) {
+          all_exited_at = now;
+          // A torn-down job leaves nothing behind: every group id is still reserved by its
+          // unreaped leader, so this cannot hit an unrelated process.
+          if (teardown_at_) {
+            for (Rank& rank : ranks_) kill(-rank.pid, SIGKILL);
+          }
+        }
+        if (!any_pipe_open() || now - *all_exited_at >= kDrainTime) break;
+      }
+      poll_output();
+    }
+    finish();
+    return result_;
+  }
+
+  // The forwarded signal that stopped the launch, or 0.
+  int interrupted_by() const { return interrupted_by_; }
+
+ private:
+  void start_ranks() {
+    auto env = inherited_environment();
+    for (const auto& [key, value] : options_.extra_env) env.insert_or_assign(key, value);
+    const int port =
+        options_.master_port != 0 ? options_.master_port : find_free_port(options_.master_addr);
+    const std::string world = std::to_string(options_.nprocs);
+    env.insert_or_assign("WORLD_SIZE", world);
+    env.insert_or_assign("LOCAL_WORLD_SIZE", world);
+    env.insert_or_assign("ROLE_WORLD_SIZE", world);
+    env.insert_or_assign("GROUP_RANK", "0");
+    env.insert_or_assign("MASTER_ADDR", options_.master_addr);
+    env.insert_or_assign("MASTER_PORT", std::to_string(port));
+
+    std::vector<std::string> args = options_.command;
+    std::vector<char*> argv = c_array(args);
+    std::vector<std::string> paths = exec_candidates(options_.command[0], env);
+    std::vector<char*> path_ptrs = c_array(paths);
+
+    // Ranks read /dev/null: in their own process groups they could not read a terminal.
+    const UniqueFd null_fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (null_fd.get() < 0) fail_errno("cannot open /dev/null", errno);
+    for (int r = 0; r < options_.nprocs; ++r) {
+      const std::string rank = std::to_string(r);
+      env.insert_or_assign("RANK", rank);
+      env.insert_or_assign("LOCAL_RANK", rank);
+      env.insert_or_assign("ROLE_RANK", rank);
+      std::vector<std::string> entries;
+      for (const auto& [key, value] : env) entries.push_back(key + "=" + value);
+      std::vector<char*> envp = c_array(entries);
+      start_rank(r, argv.data(), envp.data(), path_ptrs.data(), null_fd.get());
+    }
+  }
+
+  void start_rank(int r, char* const argv[], char* const envp[], char* const paths[], int null_fd) {
+    auto [out_read, out_write] = make_pipe();
+    // Carries the child's exec errno; closes without data when exec succeeds.
+    auto [status_read, status_write] = make_pipe();
+    sigset_t no_signals;
+    sigemptyset(&no_signals);
+#ifdef __linux__
+    const pid_t launcher = getpid();
+#endif
+
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // Child: only async-signal-safe calls until exec.
+      setpgid(0, 0);
+#ifdef __linux__
+      // Die with the launcher even when it is SIGKILLed and cannot tear down.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(127);
+#endif
+      // A mask blocked by the calling thread must not make the rank deaf to SIGTERM.
+      sigprocmask(SIG_SETMASK, &no_signals, nullptr);
+      dup2(null_fd, STDIN_FILENO);
+      dup2(out_write.get(), STDOUT_FILENO);
+      dup2(out_write.get(), STDERR_FILENO);
+      int err = ENOENT;
+      for (char* const* path = paths; *path != nullptr; ++path) {
+        execve(*path, argv, envp);
+        // Like execvp: keep searching past missing files, remember permission errors.
+        if (errno == EACCES) {
+          err = EACCES;
+        } else if (errno != ENOENT && errno != ENOTDIR) {
+          err = errno;
+          break;
+        }
+      }
+      (void)!write(status_write.get(), &err, sizeof err);
+      _exit(127);
+    }
+
+    if (pid < 0) {
+      const int err = errno;
+      fail_errno("fork failed for rank " + std::to_string(r), err);
+    }
+    out_write.reset();
+    status_write.reset();
+    // The child has called setpgid by the time this returns, so kill(-pid) is valid after.
+    int exec_errno = 0;
+    ssize_t n;
+    while ((n = read(status_read.get(), &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {
+    }
+    ranks_[r].pid = pid;
+    if (n > 0) fail_errno("cannot execute '" + options_.command[0] + "'", exec_errno);
+    fcntl(out_read.get(), F_SETFL, fcntl(out_read.get(), F_GETFL) | O_NONBLOCK);
+    ranks_[r].out = std::move(out_read);
+  }
+
+  void observe_exits() {
+    for (int r = 0; r < options_.nprocs; ++r) {
+      Rank& rank = ranks_[r];
+      if (rank.exited) continue;
+      siginfo_t info{};
+      if (waitid(P_PID, rank.pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+        const int err = errno;
+        if (err == EINTR) continue;
+        fail_errno("cannot watch rank " + std::to_string(r) + " (is SIGCHLD ignored?)", err);
+      }
+      if (info.si_pid == 0) continue;
+      rank.exited = true;
+      result_.ranks[r].exit_code = exit_code_of(info);
+      if (result_.ranks[r].exit_code != 0 && !teardown_at_ && result_.first_failed_rank < 0) {
+        result_.first_failed_rank = r;
+      }
+    }
+  }
+
+  void begin_teardown(int sig) {
+    teardown_at_ = Clock::now();
+    for (int r = 0; r < options_.nprocs; ++r) {
+      if (ranks_[r].exited) continue;
+      result_.ranks[r].killed_by_launcher = true;
+      kill(-ranks_[r].pid, sig);
+    }
+  }
+
+  bool all_exited() const {
+    for (const Rank& rank : ranks_) {
+      if (!rank.exited) return false;
+    }
+    return true;
+  }
+
+  bool any_pipe_open() const {
+    for (const Rank& rank : ranks_) {
+      if (rank.out.get() >= 0) return true;
+    }
+    return false;
+  }
+
+  void poll_output() {
+    std::vector<pollfd> fds;
+    std::vector<int> owners;
+    for (int r = 0; r < options_.nprocs; ++r) {
+      if (ranks_[r].out.get() < 0) continue;
+      fds.push_back({ranks_[r].out.get(), POLLIN, 0});
+      owners.push_back(r);
+    }
+    const int ready = poll(fds.data(), fds.size(), static_cast<int>(kPollInterval.count()));
+    if (ready <= 0) return;  // timeout, or EINTR from a signal the loop will look at
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) read_chunk(owners[i]);
+    }
+  }
+
+  // One read per wakeup, so a chatty rank cannot starve the exit and timeout checks.
+  void read_chunk(int r) {
+    Rank& rank = ranks_[r];
+    char buffer[kReadChunk];
+    const ssize_t n = read(rank.out.get(), buffer, sizeof buffer);
+    if (n > 0) {
+      consume(r, std::string_view(buffer, n));
+    } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+      rank.out.reset();
+      if (!rank.partial.empty()) emit_lines(r, "\n");
+    }
+  }
+
+  void consume(int r, std::string_view data) {
+    if (!options_.prefix_output) {
+      result_.ranks[r].output.append(data);
+      return;
+    }
+    emit_lines(r, data);
+    if (ranks_[r].partial.size() >= kMaxPartialLine) emit_lines(r, "\n");
+  }
+
+  // Writes the complete lines of partial+data as "[rank K] line"; keeps the remainder.
+  void emit_lines(int r, std::string_view data) {
+    std::string& partial = ranks_[r].partial;
+    partial.append(data);
+    const std::string prefix = "[rank " + std::to_string(r) + "] ";
+    std::string out;
+    size_t begin = 0;
+    for (size_t end; (end = partial.find('\n', begin)) != std::string::npos; begin = end + 1) {
+      out.append(prefix).append(partial, begin, end + 1 - begin);
+    }
+    partial.erase(0, begin);
+    if (out.empty()) return;
+    std::fwrite(out.data(), 1, out.size(), stdout);
+    std::fflush(stdout);
+  }
+
+  void finish() {
+    for (Rank& rank : ranks_) {
+      while (waitpid(rank.pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+      rank.pid = -1;
+      rank.out.reset();
+    }
+    for (int r = 0; r < options_.nprocs; ++r) {
+      if (!ranks_[r].partial.empty()) emit_lines(r, "\n");
+    }
+    if (interrupted_by_ != 0) {
+      result_.exit_code = 128 + interrupted_by_;
+    } else if (result_.timed_out) {
+      result_.exit_code = 124;
+    } else if (result_.first_failed_rank >= 0) {
+      result_.exit_code = result_.ranks[result_.first_failed_rank].exit_code;
+    }
+  }
+
+  const LaunchOptions& options_;
+  LaunchResult result_;
+  std::vector<Rank> ranks_;
+  std::optional<Clock::time_point> teardown_at_;
+  bool sigkill_sent_ = false;
+  int interrupted_by_ = 0;
+};
+
+}  // namespace
+
+LaunchResult launch_local(const LaunchOptions& options) {
+  if (options.nprocs < 1) fail("nprocs must be at least 1, got " + std::to_string(options.nprocs));
+  if (options.command.empty() || options.command[0].empty()) fail("the command is empty");
+  if (options.timeout.count() < 0) fail("the timeout must not be negative");
+  if (options.master_port < 0 || options.master_port > 65535) {
+    fail("master_port must be in 0..65535, got " + std::to_string(options.master_port));
+  }
+  LaunchResult result;
+  int interrupted_by = 0;
+  {
+    SignalForwarding forwarding;
+    Launch launch(options);
+    result = launch.run();
+    interrupted_by = launch.interrupted_by();
+  }
+  // The ranks are gone; now let the interrupt do what the caller had arranged for it.
+  if (interrupted_by != 0) raise(interrupted_by);
+  return result;
+}
+
+int find_free_port(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found); rc != 0) {
+    throw std::runtime_error("hp::find_free_port: cannot resolve '" + addr +
+                             "': " + gai_strerror(rc));
+  }
+  int err = 0;
+  int port = -1;
+  for (const addrinfo* ai = found; ai != nullptr && port < 0; ai = ai->ai_next) {
+    const UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    if (fd.get() >= 0 && bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      port = bound.ss_family == AF_INET6
+                 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                 : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+    } else {
+      err = errno;
+    }
+  }
+  freeaddrinfo(found);
+  if (port < 0) {
+    throw std::runtime_error("hp::find_free_port: cannot bind to '" + addr +
+                             "': " + std::strerror(err));
+  }
+  return port;
+}
+
+}  // namespace hp

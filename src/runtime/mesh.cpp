@@ -1,0 +1,179 @@
+#include "hyperparallel/mesh.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+namespace hp {
+
+struct DeviceMesh::Layout {
+  std::shared_ptr<World> world;
+  std::vector<MeshDim> dims;
+  std::vector<int64_t> coords;  // this rank's coordinates
+  int64_t id = 0;
+  std::map<std::string, std::vector<size_t>> group_dims;  // group name -> root dims
+  std::map<std::string, GroupPtr> groups;
+
+  std::string describe() const {
+    std::string text = "{";
+    for (const auto& d : dims) {
+      text += (text.size() > 1 ? ", " : "") + d.name + ": " + std::to_string(d.size);
+    }
+    return text + "}";
+  }
+
+  // Global ranks that share this rank's coordinates outside `span`, ascending.
+  std::vector<int64_t> ranks_varying(const std::vector<size_t>& span) const {
+    std::vector<int64_t> ranks{0};
+    for (size_t i = 0; i < dims.size(); ++i) {
+      const bool varies = std::find(span.begin(), span.end(), i) != span.end();
+      std::vector<int64_t> next;
+      for (int64_t r : ranks) {
+        if (!varies) {
+          next.push_back(r * dims[i].size + coords[i]);
+          continue;
+        }
+        for (int64_t c = 0; c < dims[i].size; ++c) next.push_back(r * dims[i].size + c);
+      }
+      ranks = std::move(next);
+    }
+    return ranks;
+  }
+
+  const GroupPtr& make_group(const std::string& name, const std::vector<size_t>& span) {
+    std::vector<int64_t> ranks = ranks_varying(span);
+    std::string unique =
+        "mesh" + std::to_string(id) + "/" + name + "/" + std::to_string(ranks.front());
+    group_dims[name] = span;
+    return groups[name] = world->new_group(unique, std::move(ranks));
+  }
+};
+
+DeviceMesh::DeviceMesh(std::shared_ptr<World> world, std::vector<MeshDim> dims) {
+  if (!world) throw std::invalid_argument("DeviceMesh needs a World");
+  if (dims.empty()) throw std::invalid_argument("DeviceMesh needs at least one dimension");
+  auto layout = std::make_shared<Layout>();
+  layout->world = world;
+  layout->dims = dims;
+  std::set<std::string> names;
+  int64_t product = 1;
+  for (const auto& d : dims) {
+    if (d.name.empty()) throw std::invalid_argument("mesh dimension names must not be empty");
+    if (!names.insert(d.name).second) {
+      throw std::invalid_argument("mesh dimension '" + d.name + "' appears twice in " +
+                                  layout->describe() + "; give each dimension its own name");
+    }
+    if (d.size <= 0) {
+      throw std::invalid_argument("mesh dimension '" + d.name + "' has size " +
+                                  std::to_string(d.size) + "; sizes must be positive");
+    }
+    product *= d.size;
+  }
+  if (product != world->size()) {
+    throw std::invalid_argument("mesh " + layout->describe() + " has " + std::to_string(product) +
+                                " ranks but the world has " + std::to_string(world->size()) +
+                                "; make the product of the sizes equal WORLD_SIZE");
+  }
+  int64_t rest = world->rank();
+  layout->coords.resize(dims.size());
+  for (size_t i = dims.size(); i-- > 0;) {
+    layout->coords[i] = rest % dims[i].size;
+    rest /= dims[i].size;
+  }
+  layout->id = world->next_mesh_id();
+  for (size_t i = 0; i < dims.size(); ++i) layout->make_group(dims[i].name, {i});
+  layout_ = std::move(layout);
+  for (size_t i = 0; i < dims.size(); ++i) kept_.push_back(i);
+}
+
+DeviceMesh::DeviceMesh(std::shared_ptr<Layout> layout, std::vector<size_t> kept)
+    : layout_(std::move(layout)), kept_(std::move(kept)) {}
+
+DeviceMesh DeviceMesh::from_env(std::vector<MeshDim> dims, WorldOptions options) {
+  return DeviceMesh(World::from_env(options), std::move(dims));
+}
+
+const std::shared_ptr<World>& DeviceMesh::world() const { return layout_->world; }
+
+int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(kept_.size()); }
+
+std::vector<std::string> DeviceMesh::dim_names() const {
+  std::vector<std::string> names;
+  for (size_t i : kept_) names.push_back(layout_->dims[i].name);
+  return names;
+}
+
+int64_t DeviceMesh::size() const {
+  int64_t product = 1;
+  for (size_t i : kept_) product *= layout_->dims[i].size;
+  return product;
+}
+
+size_t DeviceMesh::index_of(const std::string& dim) const {
+  for (size_t i : kept_) {
+    if (layout_->dims[i].name == dim) return i;
+  }
+  std::string known;
+  for (const auto& name : dim_names()) known += (known.empty() ? "" : ", ") + name;
+  throw std::invalid_argument("mesh has no dimension '" + dim + "' (it has: " + known + ")");
+}
+
+int64_t DeviceMesh::size(const std::string& dim) const { return layout_->dims[index_of(dim)].size; }
+
+int64_t DeviceMesh::coordinate(const std::string& dim) const {
+  return layout_->coords[index_of(dim)];
+}
+
+int64_t DeviceMesh::global_rank() const { return layout_->world->rank(); }
+
+const GroupPtr& DeviceMesh::group(const std::string& dim) const {
+  // A group belongs to this (sub-)mesh when all the dims it spans are kept.
+  auto in_this_mesh = [&](const std::vector<size_t>& span) {
+    return std::all_of(span.begin(), span.end(), [&](size_t i) {
+      return std::find(kept_.begin(), kept_.end(), i) != kept_.end();
+    });
+  };
+  auto found = layout_->group_dims.find(dim);
+  if (found != layout_->group_dims.end() && in_this_mesh(found->second)) {
+    return layout_->groups.at(dim);
+  }
+  std::string known;
+  for (const auto& [name, span] : layout_->group_dims) {
+    if (in_this_mesh(span)) known += (known.empty() ? "" : ", ") + name;
+  }
+  throw std::invalid_argument("mesh has no dimension or flattened group '" + dim +
+                              "' (it has: " + known + ")");
+}
+
+std::vector<int64_t> DeviceMesh::group_ranks(const std::string& dim) const {
+  return group(dim)->ranks();
+}
+
+const GroupPtr& DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
+  if (dims.empty()) throw std::invalid_argument("flatten needs at least one dimension");
+  if (name.empty()) throw std::invalid_argument("flatten needs a non-empty name");
+  if (layout_->group_dims.count(name)) {
+    throw std::invalid_argument("flatten: the name '" + name + "' is already used by this mesh");
+  }
+  std::vector<size_t> span;
+  for (const auto& d : dims) span.push_back(index_of(d));
+  std::sort(span.begin(), span.end());
+  if (std::adjacent_find(span.begin(), span.end()) != span.end()) {
+    throw std::invalid_argument("flatten '" + name + "': a dimension is listed twice");
+  }
+  return layout_->make_group(name, span);
+}
+
+DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
+  if (dims.empty()) throw std::invalid_argument("slice needs at least one dimension");
+  std::vector<size_t> kept;
+  for (const auto& d : dims) kept.push_back(index_of(d));
+  std::sort(kept.begin(), kept.end());
+  if (std::adjacent_find(kept.begin(), kept.end()) != kept.end()) {
+    throw std::invalid_argument("slice: a dimension is listed twice");
+  }
+  return DeviceMesh(layout_, std::move(kept));
+}
+
+}  // namespace hp

@@ -1,0 +1,87 @@
+#include "distributed_test.h"
+
+#include <ATen/Parallel.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+#include "hyperparallel/launcher.h"
+
+namespace hp::testing {
+namespace {
+
+constexpr const char* kChildVariable = "HP_DIST_TEST_CHILD";  // "<test>/<world size>"
+constexpr const char* kBodyDone = "[hp-dist-test: rank body completed]";
+
+std::string self_executable() {
+  char path[4096];
+  ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (length <= 0) throw std::runtime_error("cannot read /proc/self/exe");
+  return std::string(path, static_cast<size_t>(length));
+}
+
+std::chrono::milliseconds test_timeout() {
+  const char* text = std::getenv("HP_DIST_TEST_TIMEOUT");
+  int seconds = text ? std::atoi(text) : 60;
+  return std::chrono::seconds(seconds > 0 ? seconds : 60);
+}
+
+void run_as_rank(void (*body)()) {
+  at::set_num_threads(1);  // ranks share the machine's few cores
+  try {
+    body();
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << "uncaught exception: " << error.what();
+  }
+  // The parent requires this marker so that a rank which skipped the body (filter
+  // mismatch, early exit) can never count as a pass.
+  if (!::testing::Test::HasFailure()) std::printf("%s\n", kBodyDone);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+std::shared_ptr<World> world() {
+  static std::shared_ptr<World> joined = [] {
+    if (!std::getenv(kChildVariable)) {
+      throw std::logic_error("hp::testing::world() is only available inside HP_DIST_TEST");
+    }
+    WorldOptions options;
+    options.timeout = std::chrono::seconds(45);
+    return World::from_env(options);
+  }();
+  return joined;
+}
+
+void run_distributed(const char* test_name, int world_size, void (*body)()) {
+  const std::string tag = std::string(test_name) + "/" + std::to_string(world_size);
+  if (const char* child = std::getenv(kChildVariable)) {
+    if (tag == child) run_as_rank(body);
+    return;
+  }
+  LaunchOptions options;
+  options.nprocs = world_size;
+  options.command = {self_executable(), std::string("--gtest_filter=") + test_name};
+  options.extra_env[kChildVariable] = tag;
+  options.extra_env["OMP_NUM_THREADS"] = "1";
+  options.timeout = test_timeout();
+  options.prefix_output = false;
+  LaunchResult result = launch_local(options);
+  if (result.timed_out) {
+    ADD_FAILURE() << test_name << " on " << world_size << " ranks timed out after "
+                  << options.timeout.count() / 1000 << " s; all ranks were killed";
+  }
+  for (const RankResult& rank : result.ranks) {
+    const bool completed = rank.output.find(kBodyDone) != std::string::npos;
+    if (rank.exit_code == 0 && completed) continue;
+    if (rank.killed_by_launcher && !result.timed_out) continue;  // collateral of another rank
+    ADD_FAILURE() << "rank " << rank.rank << " of " << world_size
+                  << (completed ? "" : " did not complete the test body") << ", exit code "
+                  << rank.exit_code << ". Its output:\n"
+                  << rank.output;
+  }
+}
+
+}  // namespace hp::testing

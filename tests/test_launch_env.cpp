@@ -1,0 +1,70 @@
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "hyperparallel/launch_env.h"
+
+namespace hp {
+namespace {
+
+class LaunchEnvTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+      unsetenv(name);
+    }
+  }
+  static void set_valid() {
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "4", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", "29500", 1);
+  }
+  static std::string error_of() {
+    try {
+      LaunchEnv::from_environment();
+    } catch (const std::invalid_argument& error) {
+      return error.what();
+    }
+    return "";
+  }
+};
+
+TEST_F(LaunchEnvTest, ReadsTorchrunVariables) {
+  set_valid();
+  setenv("LOCAL_RANK", "0", 1);
+  LaunchEnv env = LaunchEnv::from_environment();
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.master_addr, "127.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST_F(LaunchEnvTest, LocalRankDefaultsToRank) {
+  set_valid();
+  EXPECT_EQ(LaunchEnv::from_environment().local_rank, 1);
+}
+
+TEST_F(LaunchEnvTest, MissingVariableIsNamed) {
+  set_valid();
+  unsetenv("MASTER_PORT");
+  std::string error = error_of();
+  EXPECT_NE(error.find("MASTER_PORT is not set"), std::string::npos) << error;
+  EXPECT_NE(error.find("hp-run"), std::string::npos) << "the error should say how to launch";
+}
+
+TEST_F(LaunchEnvTest, InvalidValuesAreNamed) {
+  set_valid();
+  setenv("RANK", "4", 1);  // not < WORLD_SIZE
+  EXPECT_NE(error_of().find("RANK='4'"), std::string::npos) << error_of();
+  set_valid();
+  setenv("WORLD_SIZE", "two", 1);
+  EXPECT_NE(error_of().find("WORLD_SIZE='two'"), std::string::npos) << error_of();
+  set_valid();
+  setenv("MASTER_PORT", "70000", 1);
+  EXPECT_NE(error_of().find("MASTER_PORT='70000'"), std::string::npos) << error_of();
+}
+
+}  // namespace
+}  // namespace hp

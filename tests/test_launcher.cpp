@@ -1,0 +1,470 @@
+// Tests for hp::launch_local and the hp-run program, with /bin/sh scripts as the ranks.
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hyperparallel/launcher.h"
+
+#ifndef HP_RUN_PATH
+#error "HP_RUN_PATH must name the hp-run executable"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// Script lines that record the rank shell's pid and start a background child whose pid is
+// recorded too; ready.K then tells that both pid files of rank K are complete.
+std::string record_pids() {
+  return "echo $$ > \"$HP_TEST_DIR/rank.$RANK\"\n"
+         "sleep 100 & echo $! > \"$HP_TEST_DIR/child.$RANK\"\n"
+         ": > \"$HP_TEST_DIR/ready.$RANK\"\n";
+}
+
+// Script lines that make rank `rank` exit with `code` once all `nprocs` ranks have recorded
+// their pids, so that the teardown has every pid on record.
+std::string fail_when_all_ready(int rank, int nprocs, int code) {
+  return "if [ \"$RANK\" = " + std::to_string(rank) + " ]; then\n" +
+         "  while [ $(ls \"$HP_TEST_DIR\" | grep -c '^ready') -lt " + std::to_string(nprocs) +
+         " ]; do sleep 0.02; done\n" + "  exit " + std::to_string(code) + "\nfi\n";
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "hp_launcher_XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+hp::LaunchOptions sh_ranks(int nprocs, const std::string& script) {
+  hp::LaunchOptions options;
+  options.nprocs = nprocs;
+  options.command = {"sh", "-c", script};
+  options.prefix_output = false;
+  options.timeout = 20s;  // backstop; the tests assert far shorter times
+  return options;
+}
+
+// Pids recorded by record_pids() for every rank: the shells and their background children.
+std::vector<pid_t> recorded_pids(const TempDir& dir, int nprocs) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nprocs; ++r) {
+    for (const char* kind : {"rank.", "child."}) {
+      std::ifstream in(dir.path() + "/" + kind + std::to_string(r));
+      pid_t pid = 0;
+      if (in >> pid) pids.push_back(pid);
+    }
+  }
+  return pids;
+}
+
+// True once `pid` no longer runs. A killed grandchild may linger as a zombie until init
+// reaps it, so zombies count as gone, and there is a short wait for the reaping.
+bool process_gone(pid_t pid) {
+  const auto deadline = Clock::now() + 2s;
+  while (true) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (std::getline(stat, line)) {
+      const size_t paren = line.rfind(')');
+      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z') {
+        return true;
+      }
+    }
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+void expect_no_survivors(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) {
+    EXPECT_TRUE(process_gone(pid)) << "process " << pid << " survived the launch";
+  }
+}
+
+bool wait_for_ready_files(const TempDir& dir, int n) {
+  const auto deadline = Clock::now() + 5s;
+  while (Clock::now() < deadline) {
+    int ready = 0;
+    for (const auto& entry : fs::directory_iterator(dir.path())) {
+      ready += entry.path().filename().string().starts_with("ready.");
+    }
+    if (ready == n) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct ProgramRun {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs hp-run with `args` (a shell fragment) through /bin/sh.
+ProgramRun run_hp_run(const std::string& args) {
+  const std::string command = std::string("'") + HP_RUN_PATH + "' " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("popen failed");
+  ProgramRun run;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) {
+    run.output.append(buffer, n);
+  }
+  const int status = pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return run;
+}
+
+std::string what_of(const hp::LaunchOptions& options) {
+  try {
+    hp::launch_local(options);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+TEST(Launcher, EveryRankGetsTorchrunEnvironment) {
+  auto options =
+      sh_ranks(3,
+               "echo \"$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK "
+               "$ROLE_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $HP_EXTRA\"; echo err$RANK >&2");
+  options.extra_env = {{"HP_EXTRA", "extra"}};
+  const hp::LaunchResult result = hp::launch_local(options);
+
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.first_failed_rank, -1);
+  EXPECT_FALSE(result.timed_out);
+  ASSERT_EQ(result.ranks.size(), 3u);
+  int port = -1;
+  for (int r = 0; r < 3; ++r) {
+    const hp::RankResult& rank = result.ranks[r];
+    EXPECT_EQ(rank.rank, r);
+    EXPECT_EQ(rank.exit_code, 0);
+    EXPECT_FALSE(rank.killed_by_launcher);
+    std::istringstream lines(rank.output);
+    std::string env_line, err_line;
+    std::getline(lines, env_line);
+    std::getline(lines, err_line);
+    const std::string k = std::to_string(r);
+    std::istringstream fields(env_line);
+    std::string rank_, local, world, local_world, group, role, role_world, addr, extra;
+    int rank_port = -1;
+    fields >> rank_ >> local >> world >> local_world >> group >> role >> role_world >> addr >>
+        rank_port >> extra;
+    EXPECT_EQ(rank_ + local + role, k + k + k) << env_line;
+    EXPECT_EQ(world + local_world + role_world, "333") << env_line;
+    EXPECT_EQ(group, "0") << env_line;
+    EXPECT_EQ(addr, "127.0.0.1") << env_line;
+    EXPECT_EQ(extra, "extra") << env_line;
+    EXPECT_GT(rank_port, 0) << env_line;
+    EXPECT_LT(rank_port, 65536) << env_line;
+    if (port < 0) port = rank_port;
+    EXPECT_EQ(rank_port, port) << "ranks disagree on MASTER_PORT";
+    EXPECT_EQ(err_line, "err" + k) << "stderr is not captured";
+  }
+}
+
+TEST(Launcher, ExplicitMasterAddressAndPort) {
+  auto options = sh_ranks(2, "echo \"$MASTER_ADDR:$MASTER_PORT\"");
+  options.master_addr = "localhost";
+  options.master_port = 29512;
+  const hp::LaunchResult result = hp::launch_local(options);
+  ASSERT_EQ(result.exit_code, 0);
+  for (const hp::RankResult& rank : result.ranks) EXPECT_EQ(rank.output, "localhost:29512\n");
+}
+
+TEST(Launcher, PrefixModePrefixesEveryLine) {
+  auto options = sh_ranks(2, "echo \"first $RANK\"; echo \"second $RANK\" >&2; printf last");
+  options.prefix_output = true;
+  testing::internal::CaptureStdout();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const std::string out = testing::internal::GetCapturedStdout();
+
+  EXPECT_EQ(result.exit_code, 0);
+  std::vector<std::string> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  for (const std::string r : {"0", "1"}) {
+    EXPECT_TRUE(result.ranks[std::stoi(r)].output.empty());
+    // Per rank, lines keep their order; ranks may interleave.
+    std::vector<std::string> own;
+    for (const std::string& line : lines) {
+      if (line.starts_with("[rank " + r + "] ")) own.push_back(line);
+    }
+    const std::vector<std::string> expected = {
+        "[rank " + r + "] first " + r, "[rank " + r + "] second " + r, "[rank " + r + "] last"};
+    EXPECT_EQ(own, expected) << out;
+  }
+  EXPECT_EQ(lines.size(), 6u) << out;
+  EXPECT_TRUE(out.ends_with("\n")) << out;
+}
+
+TEST(Launcher, FailingRankTearsDownTheOthers) {
+  TempDir dir;
+  auto options = sh_ranks(3, record_pids() + fail_when_all_ready(1, 3, 3) + "wait\n");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  const auto start = Clock::now();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const double elapsed = seconds_since(start);
+
+  EXPECT_LT(elapsed, 10);
+  EXPECT_EQ(result.exit_code, 3);
+  EXPECT_EQ(result.first_failed_rank, 1);
+  EXPECT_FALSE(result.timed_out);
+  EXPECT_EQ(result.ranks[1].exit_code, 3);
+  EXPECT_FALSE(result.ranks[1].killed_by_launcher);
+  for (int r : {0, 2}) {
+    EXPECT_TRUE(result.ranks[r].killed_by_launcher) << "rank " << r;
+    EXPECT_EQ(result.ranks[r].exit_code, 128 + SIGTERM) << "rank " << r;
+  }
+  const std::vector<pid_t> pids = recorded_pids(dir, 3);
+  EXPECT_EQ(pids.size(), 6u);
+  expect_no_survivors(pids);
+}
+
+TEST(Launcher, TerminationReachesTheRanksChildren) {
+  TempDir dir;
+  // Rank 1 survives SIGTERM itself and then waits for its child, which only the signal to
+  // the whole process group stops before the SIGKILL that follows the grace period.
+  auto options = sh_ranks(2, "trap 'echo caught' TERM\n" + record_pids() +
+                                 fail_when_all_ready(0, 2, 1) + "wait; wait; echo child done\n");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  const hp::LaunchResult result = hp::launch_local(options);
+
+  EXPECT_EQ(result.first_failed_rank, 0);
+  EXPECT_TRUE(result.ranks[1].killed_by_launcher);
+  EXPECT_EQ(result.ranks[1].exit_code, 0);
+  EXPECT_EQ(result.ranks[1].output, "caught\nchild done\n");
+  expect_no_survivors(recorded_pids(dir, 2));
+}
+
+TEST(Launcher, RankIgnoringSigtermIsKilledAfterGracePeriod) {
+  TempDir dir;
+  auto options =
+      sh_ranks(2, "trap '' TERM\n" + record_pids() + fail_when_all_ready(0, 2, 1) + "wait\n");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  const auto start = Clock::now();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const double elapsed = seconds_since(start);
+
+  EXPECT_GE(elapsed, 2) << "SIGKILL came before the grace period";
+  EXPECT_LT(elapsed, 10);
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_EQ(result.first_failed_rank, 0);
+  EXPECT_TRUE(result.ranks[1].killed_by_launcher);
+  EXPECT_EQ(result.ranks[1].exit_code, 128 + SIGKILL);
+  expect_no_survivors(recorded_pids(dir, 2));
+}
+
+TEST(Launcher, TimeoutKillsHangingRanks) {
+  TempDir dir;
+  auto options = sh_ranks(2, record_pids() + "wait\n");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  options.timeout = 1s;
+  const auto start = Clock::now();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const double elapsed = seconds_since(start);
+
+  EXPECT_GE(elapsed, 1);
+  EXPECT_LT(elapsed, 10);
+  EXPECT_TRUE(result.timed_out);
+  EXPECT_EQ(result.exit_code, 124);
+  EXPECT_EQ(result.first_failed_rank, -1);
+  for (const hp::RankResult& rank : result.ranks) {
+    EXPECT_TRUE(rank.killed_by_launcher) << "rank " << rank.rank;
+    EXPECT_NE(rank.exit_code, 0) << "rank " << rank.rank;
+  }
+  const std::vector<pid_t> pids = recorded_pids(dir, 2);
+  EXPECT_EQ(pids.size(), 4u);
+  expect_no_survivors(pids);
+}
+
+TEST(Launcher, GrandchildHoldingThePipeDoesNotBlockTheLaunch) {
+  TempDir dir;
+  // The background sleep inherits the rank's stdout and outlives the rank.
+  auto options = sh_ranks(1, "sleep 100 & echo $! > \"$HP_TEST_DIR/child.0\"; echo done");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  const auto start = Clock::now();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const double elapsed = seconds_since(start);
+  for (pid_t pid : recorded_pids(dir, 1)) kill(pid, SIGKILL);
+
+  EXPECT_LT(elapsed, 5);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.ranks[0].output, "done\n");
+}
+
+int g_test_handler_signal = 0;
+void test_handler(int sig) { g_test_handler_signal = sig; }
+
+TEST(Launcher, InterruptIsForwardedToRanksAndReRaised) {
+  TempDir dir;
+  auto options = sh_ranks(2, record_pids() + "wait\n");
+  options.extra_env = {{"HP_TEST_DIR", dir.path()}};
+  struct sigaction ours{};
+  struct sigaction previous{};
+  ours.sa_handler = test_handler;
+  sigemptyset(&ours.sa_mask);
+  ASSERT_EQ(sigaction(SIGTERM, &ours, &previous), 0);
+  g_test_handler_signal = 0;
+
+  std::thread interrupter([&] {
+    if (wait_for_ready_files(dir, 2)) kill(getpid(), SIGTERM);
+  });
+  const auto start = Clock::now();
+  const hp::LaunchResult result = hp::launch_local(options);
+  const double elapsed = seconds_since(start);
+  interrupter.join();
+  sigaction(SIGTERM, &previous, nullptr);
+
+  EXPECT_LT(elapsed, 10);
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM);
+  EXPECT_EQ(g_test_handler_signal, SIGTERM) << "the signal was not re-raised to our handler";
+  for (const hp::RankResult& rank : result.ranks) {
+    EXPECT_TRUE(rank.killed_by_launcher) << "rank " << rank.rank;
+  }
+  expect_no_survivors(recorded_pids(dir, 2));
+}
+
+TEST(Launcher, RejectsBadOptions) {
+  hp::LaunchOptions options;
+  options.command = {"true"};
+  options.nprocs = 0;
+  EXPECT_NE(what_of(options).find("nprocs"), std::string::npos);
+  options.nprocs = 1;
+  options.command.clear();
+  EXPECT_NE(what_of(options).find("command is empty"), std::string::npos);
+}
+
+TEST(Launcher, ReportsProgramsThatCannotBeExecuted) {
+  hp::LaunchOptions options;
+  options.nprocs = 2;
+  options.command = {"/nonexistent/hp-program"};
+  std::string what = what_of(options);
+  EXPECT_NE(what.find("cannot execute '/nonexistent/hp-program'"), std::string::npos) << what;
+  EXPECT_NE(what.find("No such file"), std::string::npos) << what;
+
+  options.command = {"hp-no-such-program-on-path"};
+  what = what_of(options);
+  EXPECT_NE(what.find("cannot execute 'hp-no-such-program-on-path'"), std::string::npos) << what;
+}
+
+TEST(Launcher, FindFreePortReturnsABindablePort) {
+  const int port = hp::find_free_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  ASSERT_LT(port, 65536);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  close(fd);
+  // A documentation-only address (RFC 5737) that no local interface has: bind must fail.
+  EXPECT_THROW(hp::find_free_port("192.0.2.1"), std::runtime_error);
+}
+
+TEST(HpRun, ExitsWithTheFailingRanksCode) {
+  const ProgramRun run = run_hp_run("-n 2 -- sh -c 'exit $RANK'");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("hp-run: rank 1 exited with code 1"), std::string::npos) << run.output;
+}
+
+TEST(HpRun, PrefixesOutputAndSucceeds) {
+  const ProgramRun run = run_hp_run("--nproc-per-node 2 sh -c 'echo \"hi $RANK\"'");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("[rank 0] hi 0\n"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("[rank 1] hi 1\n"), std::string::npos) << run.output;
+}
+
+TEST(HpRun, TimeoutExitsWith124) {
+  const auto start = Clock::now();
+  const ProgramRun run = run_hp_run("-n 2 --timeout 0.5 -- sleep 100");
+  EXPECT_LT(seconds_since(start), 10);
+  EXPECT_EQ(run.exit_code, 124) << run.output;
+  EXPECT_NE(run.output.find("hp-run: timeout after 0.5 s; killed all ranks"), std::string::npos)
+      << run.output;
+}
+
+TEST(HpRun, BadFlagsGiveUsageErrors) {
+  for (const char* args : {"--bogus -- true", "-n 0 -- true", "-n two -- true", "-n 2",
+                           "--timeout -1 -- true", "--master-port 70000 -- true", "-n"}) {
+    const ProgramRun run = run_hp_run(args);
+    EXPECT_EQ(run.exit_code, 2) << args << "\n" << run.output;
+    EXPECT_NE(run.output.find("usage: hp-run"), std::string::npos) << args << "\n" << run.output;
+  }
+  const ProgramRun help = run_hp_run("--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("--nproc-per-node"), std::string::npos) << help.output;
+}
+
+TEST(HpRun, MissingProgramIsReported) {
+  const ProgramRun run = run_hp_run("-n 2 -- /nonexistent/hp-program");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("cannot execute"), std::string::npos) << run.output;
+}
+
+TEST(HpRun, SigtermIsForwardedToRanks) {
+  TempDir dir;
+  const std::string script = record_pids() + "wait\n";
+  setenv("HP_TEST_DIR", dir.path().c_str(), 1);  // inherited by hp-run and its ranks
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl(HP_RUN_PATH, HP_RUN_PATH, "-n", "2", "--", "sh", "-c", script.c_str(), nullptr);
+    _exit(127);
+  }
+  unsetenv("HP_TEST_DIR");
+  ASSERT_GT(pid, 0);
+  const bool ready = wait_for_ready_files(dir, 2);
+  kill(pid, SIGTERM);
+  int status = 0;
+  const auto deadline = Clock::now() + 10s;
+  pid_t reaped = 0;
+  while ((reaped = waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  if (reaped == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  ASSERT_TRUE(ready) << "the ranks never started";
+  ASSERT_EQ(reaped, pid) << "hp-run did not stop after SIGTERM";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
+      << "hp-run should die from the re-raised SIGTERM, status " << status;
+  expect_no_survivors(recorded_pids(dir, 2));
+}
+
+}  // namespace
