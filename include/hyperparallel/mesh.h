@@ -41,6 +41,7 @@ class DeviceMesh {
   // `dim` is a mesh dimension or a flattened name. Global ranks of this rank's group.
   std::vector<int64_t> group_ranks(const std::string& dim) const;
   const GroupPtr& group(const std::string& dim) const;
+  bool has_group(const std::string& dim) const;
 
   // Creates the group over `dims` (in mesh order) under `name`; returns it.
   const GroupPtr& flatten(const std::vector<std::string>& dims, const std::string& name);
@@ -53,6 +54,7 @@ class DeviceMesh {
   struct Layout;
   DeviceMesh(std::shared_ptr<Layout> layout, std::vector<size_t> kept);
   size_t index_of(const std::string& dim) const;  // position in the root layout
+  bool spans_kept_dims(const std::vector<size_t>& span) const;
 
   std::shared_ptr<Layout> layout_;  // the root mesh's dims and groups
   std::vector<size_t> kept_;        // root dims this (sub-)mesh spans

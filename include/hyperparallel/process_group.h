@@ -89,4 +89,8 @@ class World {
   int64_t mesh_count_ = 0;
 };
 
+// The world of this process, joined from the launch environment on first use (like
+// torch.distributed's default group); fully_shard uses it when given no mesh.
+std::shared_ptr<World> default_world();
+
 }  // namespace hp

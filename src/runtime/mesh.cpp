@@ -127,20 +127,23 @@ int64_t DeviceMesh::coordinate(const std::string& dim) const {
 
 int64_t DeviceMesh::global_rank() const { return layout_->world->rank(); }
 
-const GroupPtr& DeviceMesh::group(const std::string& dim) const {
+bool DeviceMesh::spans_kept_dims(const std::vector<size_t>& span) const {
   // A group belongs to this (sub-)mesh when all the dims it spans are kept.
-  auto in_this_mesh = [&](const std::vector<size_t>& span) {
-    return std::all_of(span.begin(), span.end(), [&](size_t i) {
-      return std::find(kept_.begin(), kept_.end(), i) != kept_.end();
-    });
-  };
+  return std::all_of(span.begin(), span.end(), [&](size_t i) {
+    return std::find(kept_.begin(), kept_.end(), i) != kept_.end();
+  });
+}
+
+bool DeviceMesh::has_group(const std::string& dim) const {
   auto found = layout_->group_dims.find(dim);
-  if (found != layout_->group_dims.end() && in_this_mesh(found->second)) {
-    return layout_->groups.at(dim);
-  }
+  return found != layout_->group_dims.end() && spans_kept_dims(found->second);
+}
+
+const GroupPtr& DeviceMesh::group(const std::string& dim) const {
+  if (has_group(dim)) return layout_->groups.at(dim);
   std::string known;
   for (const auto& [name, span] : layout_->group_dims) {
-    if (in_this_mesh(span)) known += (known.empty() ? "" : ", ") + name;
+    if (spans_kept_dims(span)) known += (known.empty() ? "" : ", ") + name;
   }
   throw std::invalid_argument("mesh has no dimension or flattened group '" + dim +
                               "' (it has: " + known + ")");

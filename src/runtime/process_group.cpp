@@ -153,4 +153,9 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
                                  std::move(cuda));
 }
 
+std::shared_ptr<World> default_world() {
+  static std::shared_ptr<World> world = World::from_env();
+  return world;
+}
+
 }  // namespace hp

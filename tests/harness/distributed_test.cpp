@@ -48,9 +48,7 @@ std::shared_ptr<World> world() {
     if (!std::getenv(kChildVariable)) {
       throw std::logic_error("hp::testing::world() is only available inside HP_DIST_TEST");
     }
-    WorldOptions options;
-    options.timeout = std::chrono::seconds(45);
-    return World::from_env(options);
+    return default_world();
   }();
   return joined;
 }

@@ -1,0 +1,213 @@
+#pragma once
+// fully_shard: FSDP (1-D mesh) and HSDP (2-D mesh: replicate, shard) for LibTorch.
+//
+//   hp::Sharded<Block> block(cfg);             // declare the module as Sharded<...>
+//   hp::fully_shard(block, options);           // blocks first ...
+//   hp::fully_shard(model, options);           // ... then the root
+//   auto loss = loss_fn(model(x)); loss.backward(); optimizer.step();
+//
+// Between steps the module's parameters are this rank's shards (optimizers work on them
+// unchanged); around each forward/backward they are swapped for the unsharded tensors.
+// Forward interception needs the call to go through Sharded<M>::operator().
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "hyperparallel/comm_handle.h"
+#include "hyperparallel/mesh.h"
+#include "hyperparallel/placement.h"
+#include "hyperparallel/policy.h"
+#include "hyperparallel/reduce_buffer_stats.h"
+
+namespace hp {
+
+namespace detail {
+class FSDPState;
+}
+
+struct FullyShardOptions {
+  // Unset: a 1-D mesh over all ranks of the default world (from the environment).
+  // 1-D: FSDP over it. 2-D: HSDP, dim 0 replicates, dim 1 shards.
+  std::optional<DeviceMesh> mesh;
+  // Unset: reshard after forward, except for the root (whose backward comes first).
+  std::optional<bool> reshard_after_forward;
+  // Per parameter (name relative to the module): Shard(dim) or Replicate(); unset
+  // result or unset function: Shard(0).
+  std::function<std::optional<Placement>(const std::string& name, const at::Tensor& param)>
+      shard_placement_fn;
+  MixedPrecisionPolicy mp_policy;
+  OffloadPolicy offload_policy;
+  // Left exactly as they are: not sharded, not reduced.
+  std::vector<at::Tensor> ignored_params;
+  // Kept whole on every rank; gradients all-reduced over the data-parallel ranks.
+  std::vector<at::Tensor> replicate_params;
+  // One all-gather / reduce-scatter per module (with copy-in / copy-out) instead of
+  // one per parameter.
+  bool comm_fusion = false;
+};
+
+// Where a sharded parameter lives: global shape, placement on the shard dimension.
+struct ShardedParamInfo {
+  std::string name;
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> local_shape;
+  Placement placement = Placement::shard(0);
+  std::vector<std::string> mesh_dims;  // (replicate,) shard
+};
+
+// The interface of a fully_shard-ed module. Cheap to copy; all copies act on the same
+// module state.
+class FSDPModule {
+ public:
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state);
+
+  // All-gathers the parameters (now, or asynchronously: wait() on the handle before
+  // using them). A second call while unsharded or pending returns the same state.
+  CommHandle unshard(bool async_op = false);
+  void reshard();
+  bool is_unsharded() const;
+
+  // recurse: apply to every fully_shard-ed module in this module's subtree too.
+  void set_requires_gradient_sync(bool value, bool recurse = true);
+  void set_requires_all_reduce(bool value, bool recurse = true);
+  void set_reshard_after_forward(bool value, bool recurse = true);
+  void set_reshard_after_backward(bool value, bool recurse = true);
+  void set_is_last_backward(bool value);
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // "avg" (default: divide by the data-parallel size) or "sum".
+  void set_reduce_op_type(const std::string& op);
+  // Divide reduced gradients by this instead (overrides the reduce op's division).
+  void set_gradient_divide_factor(double factor);
+  // Clears sharded gradients, fp32 main grads and gradients kept for accumulation.
+  void zero_grad();
+
+  std::vector<ShardedParamInfo> sharded_params() const;
+  // The whole parameter, gathered from all shards (a collective: call on every rank).
+  at::Tensor full_tensor(const std::string& name) const;
+  // The whole gradient of a parameter, gathered from the sharded gradients (a
+  // collective); undefined when the parameter has no gradient on any rank.
+  at::Tensor full_grad(const std::string& name) const;
+  // apply_grad_on_fp32_main_grad: the fp32 gradient accumulator of a parameter.
+  at::Tensor main_grad(const std::string& name) const;
+  ReduceBufferStats reduce_buffer_stats() const;
+
+  const std::shared_ptr<detail::FSDPState>& state() const { return state_; }
+  bool operator==(const FSDPModule& other) const { return state_ == other.state_; }
+
+ private:
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+namespace detail {
+
+// The fully_shard state of a module, or null.
+std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module);
+void run_pre_forward(FSDPState& state, const std::vector<at::Tensor*>& inputs);
+void run_post_forward(FSDPState& state, const std::vector<at::Tensor*>& outputs);
+
+template <typename T>
+struct is_vector : std::false_type {};
+template <typename T, typename A>
+struct is_vector<std::vector<T, A>> : std::true_type {};
+template <typename T>
+struct is_tuple : std::false_type {};
+template <typename... T>
+struct is_tuple<std::tuple<T...>> : std::true_type {};
+template <typename A, typename B>
+struct is_tuple<std::pair<A, B>> : std::true_type {};
+template <typename T>
+struct is_optional : std::false_type {};
+template <typename T>
+struct is_optional<std::optional<T>> : std::true_type {};
+
+// Collects pointers to the tensors inside forward arguments / results.
+template <typename T>
+void collect_tensors(T& value, std::vector<at::Tensor*>& out) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    out.push_back(&value);
+  } else if constexpr (is_vector<T>::value) {
+    for (auto& element : value) collect_tensors(element, out);
+  } else if constexpr (is_tuple<T>::value) {
+    std::apply([&](auto&... element) { (collect_tensors(element, out), ...); }, value);
+  } else if constexpr (is_optional<T>::value) {
+    if (value) collect_tensors(*value, out);
+  }
+}
+
+}  // namespace detail
+
+// A module holder whose calls run fully_shard's forward hooks (once fully_shard-ed;
+// before that it behaves exactly like Holder).
+template <typename Holder>
+class Sharded : public Holder {
+ public:
+  using Holder::Holder;
+  Sharded(Holder holder) : Holder(std::move(holder)) {}  // NOLINT: implicit on purpose
+
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    auto state = detail::state_of(this->ptr().get());
+    if (!state) return Holder::operator()(std::forward<Args>(args)...);
+    std::tuple<std::decay_t<Args>...> inputs(std::forward<Args>(args)...);
+    std::vector<at::Tensor*> input_tensors;
+    detail::collect_tensors(inputs, input_tensors);
+    detail::run_pre_forward(*state, input_tensors);
+    struct PostForwardOnError {  // keeps the state consistent if forward throws
+      detail::FSDPState& state;
+      bool armed = true;
+      ~PostForwardOnError() {
+        if (armed) detail::run_post_forward(state, {});
+      }
+    } guard{*state};
+    auto output = std::apply([this](auto&... a) { return this->get()->forward(a...); }, inputs);
+    guard.armed = false;
+    std::vector<at::Tensor*> output_tensors;
+    detail::collect_tensors(output, output_tensors);
+    detail::run_post_forward(*state, output_tensors);
+    return output;
+  }
+
+  // The fully_shard interface of this module; throws if it was not fully_shard-ed.
+  FSDPModule fsdp() const;
+};
+
+// A reference to any Sharded<...> module, for fully_shard.
+class ShardableModule {
+ public:
+  template <typename Holder>
+  ShardableModule(Sharded<Holder>& module)  // NOLINT: implicit on purpose
+      : module_(module.ptr()) {}
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
+
+// Shards the parameters of `module` that no fully_shard-ed submodule manages.
+FSDPModule fully_shard(ShardableModule module, FullyShardOptions options = {});
+// One state for several modules (they unshard and reduce together); returns each
+// module's interface.
+std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
+                                    FullyShardOptions options = {});
+
+template <typename Holder>
+FSDPModule Sharded<Holder>::fsdp() const {
+  auto state = detail::state_of(this->ptr().get());
+  if (!state) {
+    throw std::logic_error("this module was not fully_shard-ed; call hp::fully_shard(module) "
+                           "before using its FSDP interface");
+  }
+  return FSDPModule(state);
+}
+
+}  // namespace hp

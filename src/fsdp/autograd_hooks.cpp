@@ -1,0 +1,69 @@
+#include "autograd_hooks.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include "fsdp_state.h"
+
+namespace hp::detail {
+namespace {
+
+// Carries the state through the autograd context without keeping it alive.
+struct StateRef : torch::CustomClassHolder {
+  explicit StateRef(std::weak_ptr<FSDPState> s) : state(std::move(s)) {}
+  std::weak_ptr<FSDPState> state;
+};
+
+struct PostBackward : torch::autograd::Function<PostBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs,
+                                                c10::intrusive_ptr<StateRef> ref) {
+    ctx->saved_data["state"] = c10::IValue::make_capsule(std::move(ref));
+    torch::autograd::variable_list outputs;
+    for (const auto& input : inputs) outputs.push_back(input.view_as(input));
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto holder = ctx->saved_data["state"].toCapsule();
+    if (auto state = static_cast<StateRef*>(holder.get())->state.lock()) state->post_backward();
+    grads.emplace_back();  // for the StateRef argument
+    return grads;
+  }
+};
+
+}  // namespace
+
+void register_pre_backward_hooks(const std::vector<at::Tensor*>& outputs,
+                                 const std::weak_ptr<FSDPState>& state) {
+  for (at::Tensor* output : outputs) {
+    if (!output->defined() || !output->requires_grad()) continue;
+    output->register_hook([state](const at::Tensor&) {
+      if (auto s = state.lock()) s->pre_backward();
+    });
+  }
+}
+
+void register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
+                                 const std::weak_ptr<FSDPState>& state) {
+  torch::autograd::variable_list needing_grad;
+  std::vector<at::Tensor*> targets;
+  for (at::Tensor* input : inputs) {
+    if (input->defined() && input->requires_grad()) {
+      needing_grad.push_back(*input);
+      targets.push_back(input);
+    }
+  }
+  if (needing_grad.empty()) return;  // the root's end-of-backward callback covers it
+  // As a TensorList (not a vector) so that autograd records the tensors as inputs.
+  auto outputs =
+      PostBackward::apply(at::TensorList(needing_grad), c10::make_intrusive<StateRef>(state));
+  for (size_t i = 0; i < targets.size(); ++i) *targets[i] = outputs[i];
+}
+
+void queue_end_of_backward_callback(std::function<void()> callback) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
+
+}  // namespace hp::detail

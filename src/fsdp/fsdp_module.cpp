@@ -1,0 +1,151 @@
+// FSDPModule: the module interface, forwarding to the state (and, with recurse, to the
+// states of the module's subtree).
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "fsdp_state.h"
+#include "hyperparallel/fully_shard.h"
+
+namespace hp {
+namespace {
+
+std::vector<detail::StatePtr> targets(const detail::StatePtr& state, bool recurse) {
+  return recurse ? state->subtree() : std::vector<detail::StatePtr>{state};
+}
+
+detail::FSDPParam* find_sharded(detail::FSDPState& state, const std::string& name) {
+  for (const auto& p : state.group().params()) {
+    if (p->name() == name) return p.get();
+  }
+  return nullptr;
+}
+
+// The whole tensor from every rank's padded shard (a collective over the shard group).
+at::Tensor gather_whole(const detail::FSDPParam& p, const at::Tensor& padded, const Group& group) {
+  at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
+  all_gather(gathered, padded, group).wait();
+  return p.assemble_full(gathered).clone();
+}
+
+std::string known_names(detail::FSDPState& state) {
+  std::string names;
+  for (const auto& p : state.group().params()) names += (names.empty() ? "" : ", ") + p->name();
+  for (const auto& r : state.group().replicated()) names += (names.empty() ? "" : ", ") + r.name;
+  return names;
+}
+
+}  // namespace
+
+FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {
+  if (!state_) throw std::invalid_argument("FSDPModule needs a fully_shard state");
+}
+
+CommHandle FSDPModule::unshard(bool async_op) { return state_->group().unshard(async_op); }
+
+void FSDPModule::reshard() { state_->group().reshard(); }
+
+bool FSDPModule::is_unsharded() const { return state_->group().is_unsharded(); }
+
+void FSDPModule::set_requires_gradient_sync(bool value, bool recurse) {
+  for (auto& s : targets(state_, recurse)) s->set_requires_gradient_sync(value);
+}
+
+void FSDPModule::set_requires_all_reduce(bool value, bool recurse) {
+  for (auto& s : targets(state_, recurse)) s->set_requires_all_reduce(value);
+}
+
+void FSDPModule::set_reshard_after_forward(bool value, bool recurse) {
+  for (auto& s : targets(state_, recurse)) s->set_reshard_after_forward(value);
+}
+
+void FSDPModule::set_reshard_after_backward(bool value, bool recurse) {
+  for (auto& s : targets(state_, recurse)) s->set_reshard_after_backward(value);
+}
+
+void FSDPModule::set_is_last_backward(bool value) { state_->set_is_last_backward(value); }
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
+  std::vector<detail::StatePtr> states;
+  for (const auto& m : modules) states.push_back(m.state_);
+  state_->set_forward_prefetch(std::move(states));
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
+  std::vector<detail::StatePtr> states;
+  for (const auto& m : modules) states.push_back(m.state_);
+  state_->set_backward_prefetch(std::move(states));
+}
+
+void FSDPModule::set_reduce_op_type(const std::string& op) {
+  const ReduceOp parsed = parse_reduce_op(op);
+  for (auto& s : state_->subtree()) s->set_reduce_op(parsed);
+}
+
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  for (auto& s : state_->subtree()) s->set_gradient_divide_factor(factor);
+}
+
+void FSDPModule::zero_grad() {
+  for (auto& s : state_->subtree()) s->group().zero_grad();
+}
+
+std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
+  std::vector<ShardedParamInfo> infos;
+  const auto& comm = state_->group().comm();
+  std::vector<std::string> dims;
+  if (comm.replicate->size() > 1) dims.push_back(comm.replicate->name());
+  dims.push_back(comm.shard->name());
+  for (const auto& p : state_->group().params()) {
+    infos.push_back({p->name(), p->layout().global_shape, p->layout().local_shape(),
+                     Placement::shard(p->layout().dim), dims});
+  }
+  for (const auto& r : state_->group().replicated()) {
+    infos.push_back({r.name, r.variable.sizes().vec(), r.variable.sizes().vec(),
+                     Placement::replicate(), dims});
+  }
+  return infos;
+}
+
+at::Tensor FSDPModule::full_tensor(const std::string& name) const {
+  c10::NoGradGuard no_grad;
+  if (const detail::FSDPParam* p = find_sharded(*state_, name)) {
+    return gather_whole(*p, p->padded_shard(), *state_->group().comm().shard);
+  }
+  for (const auto& r : state_->group().replicated()) {
+    if (r.name == name) return r.variable.detach().clone();
+  }
+  throw std::invalid_argument("no parameter '" + name + "' in this fully_shard-ed module (it has: " +
+                              known_names(*state_) + ")");
+}
+
+at::Tensor FSDPModule::full_grad(const std::string& name) const {
+  c10::NoGradGuard no_grad;
+  if (detail::FSDPParam* p = find_sharded(*state_, name)) {
+    at::Tensor grad = p->sharded_grad_or_undefined();
+    // Every rank must join the collective; "no gradient" travels as a flag.
+    at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
+    all_reduce(has_grad, ReduceOp::kMin, *state_->group().comm().shard).wait();
+    if (has_grad.item<float>() == 0.0f) return {};
+    return gather_whole(*p, p->pad_local(grad, grad.scalar_type()), *state_->group().comm().shard);
+  }
+  for (const auto& r : state_->group().replicated()) {
+    if (r.name == name) return r.variable.grad().defined() ? r.variable.grad().clone() : at::Tensor();
+  }
+  throw std::invalid_argument("no parameter '" + name + "' in this fully_shard-ed module (it has: " +
+                              known_names(*state_) + ")");
+}
+
+at::Tensor FSDPModule::main_grad(const std::string& name) const {
+  if (const detail::FSDPParam* p = find_sharded(*state_, name)) return p->main_grad();
+  throw std::invalid_argument("no sharded parameter '" + name +
+                              "' in this fully_shard-ed module (it has: " +
+                              known_names(*state_) + ")");
+}
+
+ReduceBufferStats FSDPModule::reduce_buffer_stats() const {
+  return state_->group().reduce_buffer_stats();
+}
+
+}  // namespace hp

@@ -1,0 +1,84 @@
+#pragma once
+// The runtime of one fully_shard-ed module (or list of modules): what happens before
+// and after its forward, before and after its backward, and — for the root, the
+// outermost fully_shard-ed module of a forward — at the end of the whole backward.
+// Free of torch::nn::Module: it sees tensors and other states only.
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/policy.h"
+#include "param_group.h"
+
+namespace hp::detail {
+
+class FSDPState;
+using StatePtr = std::shared_ptr<FSDPState>;
+
+class FSDPState : public std::enable_shared_from_this<FSDPState> {
+ public:
+  // `subtree` lists the states of this module's subtree (this one first), in module
+  // order; it is asked when this state becomes a root.
+  FSDPState(std::unique_ptr<ParamGroup> group, MixedPrecisionPolicy mp,
+            std::optional<bool> reshard_after_forward,
+            std::function<std::vector<StatePtr>()> subtree);
+
+  ParamGroup& group() { return *group_; }
+  const MixedPrecisionPolicy& mp_policy() const { return mp_; }
+
+  // --- hooks (called by the module adapter and by autograd) ---------------------
+  void pre_forward(const std::vector<at::Tensor*>& inputs);
+  void post_forward(const std::vector<at::Tensor*>& outputs);
+  void pre_backward();
+  void post_backward();
+
+  // --- the module interface -----------------------------------------------------
+  std::vector<StatePtr> subtree() const { return subtree_(); }
+  bool is_root() const { return root_.lock().get() == this; }
+  bool initialized() const { return !root_.expired(); }
+  void set_reshard_after_forward(bool value) { reshard_after_forward_ = value; }
+  void set_reshard_after_backward(bool value) { reshard_after_backward_ = value; }
+  void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
+  void set_requires_all_reduce(bool value) { requires_all_reduce_ = value; }
+  void set_is_last_backward(bool value) { is_last_backward_ = value; }
+  void set_reduce_op(ReduceOp op);
+  void set_gradient_divide_factor(double factor);
+  void set_forward_prefetch(std::vector<StatePtr> states);
+  void set_backward_prefetch(std::vector<StatePtr> states);
+  bool reshard_after_forward() const;
+  bool reshard_after_backward() const { return reshard_after_backward_; }
+  // Completes reductions left pending (set_is_last_backward(false)).
+  void finish_pending_reductions();
+
+ private:
+  void lazy_init_as_root();
+  void root_post_backward_final_callback();
+  ReduceSettings reduce_settings() const;
+
+  std::unique_ptr<ParamGroup> group_;
+  MixedPrecisionPolicy mp_;
+  std::optional<bool> reshard_after_forward_;  // unset: not for the root, yes otherwise
+  bool reshard_after_backward_ = true;
+  bool requires_gradient_sync_ = true;
+  bool requires_all_reduce_ = true;
+  bool is_last_backward_ = true;
+  ReduceOp reduce_op_ = ReduceOp::kAvg;
+  std::optional<double> divide_factor_;
+  std::function<std::vector<StatePtr>()> subtree_;
+  std::vector<std::weak_ptr<FSDPState>> forward_prefetch_;
+  std::vector<std::weak_ptr<FSDPState>> backward_prefetch_;
+
+  std::weak_ptr<FSDPState> root_;
+  std::vector<std::weak_ptr<FSDPState>> tree_;  // root only: every state it drives
+  int forward_depth_ = 0;          // >1 when several modules share this state
+  bool in_backward_ = false;       // pre-backward ran in the current backward
+  bool post_backward_done_ = false;
+  bool final_callback_queued_ = false;  // root only
+};
+
+}  // namespace hp::detail

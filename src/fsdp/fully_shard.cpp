@@ -1,0 +1,168 @@
+// fully_shard(): decides which parameters a call manages and how, builds their
+// FSDPParams, the ParamGroup and the FSDPState, and links the modules to the state.
+#include "hyperparallel/fully_shard.h"
+
+#include <set>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+#include "fsdp_param.h"
+#include "fsdp_state.h"
+#include "param_group.h"
+#include "state_registry.h"
+
+namespace hp {
+namespace {
+
+using detail::FSDPState;
+using ModulePtr = std::shared_ptr<torch::nn::Module>;
+
+const c10::TensorImpl* key(const at::Tensor& tensor) { return tensor.unsafeGetTensorImpl(); }
+
+DeviceMesh default_mesh() {
+  static DeviceMesh mesh(default_world(), {{"dp_shard", default_world()->size()}});
+  return mesh;
+}
+
+detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
+  DeviceMesh mesh = requested ? *requested : default_mesh();
+  detail::GroupComm comm;
+  comm.world = mesh.world();
+  const std::vector<std::string> dims = mesh.dim_names();
+  if (dims.size() == 1) {
+    comm.shard = mesh.group(dims[0]);
+    // No replicate dimension: a group of this rank alone (no backend, no rendezvous).
+    comm.replicate = comm.world->new_group("self/" + std::to_string(comm.world->rank()),
+                                           {comm.world->rank()});
+    comm.data_parallel = comm.shard;
+    return comm;
+  }
+  if (dims.size() != 2) {
+    throw std::invalid_argument(
+        "fully_shard takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard); got " +
+        std::to_string(dims.size()) + " dimensions: slice the data-parallel dims out of it");
+  }
+  comm.replicate = mesh.group(dims[0]);
+  comm.shard = mesh.group(dims[1]);
+  // The flattened group is created once per mesh, by every rank in the same order (the
+  // first fully_shard with this mesh), like the mesh's own groups.
+  const std::string flat = dims[0] + "+" + dims[1];
+  comm.data_parallel = mesh.has_group(flat) ? mesh.group(flat) : mesh.flatten(dims, flat);
+  return comm;
+}
+
+std::vector<detail::StatePtr> states_in_subtree(const std::vector<std::weak_ptr<torch::nn::Module>>& roots) {
+  std::vector<detail::StatePtr> states;
+  for (const auto& weak : roots) {
+    auto root = weak.lock();
+    if (!root) continue;
+    for (const auto& module : root->modules(/*include_self=*/true)) {
+      auto state = detail::state_of(module.get());
+      if (state && std::find(states.begin(), states.end(), state) == states.end()) {
+        states.push_back(state);
+      }
+    }
+  }
+  return states;
+}
+
+}  // namespace
+
+std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
+                                    FullyShardOptions options) {
+  if (modules.empty()) throw std::invalid_argument("fully_shard needs at least one module");
+  for (const auto& m : modules) {
+    if (detail::state_of(m.module().get())) {
+      throw std::invalid_argument("fully_shard was already applied to this module (" +
+                                  m.module()->name() + "); apply it once per module");
+    }
+  }
+  detail::GroupComm comm = resolve_mesh(options.mesh);
+
+  // Parameters a fully_shard-ed submodule manages belong to it, whole subtree included.
+  std::set<const c10::TensorImpl*> taken;
+  std::vector<std::pair<std::string, at::Tensor>> candidates;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const ModulePtr& module = modules[i].module();
+    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
+      if (!detail::state_of(item.value().get())) continue;
+      for (const auto& p : item.value()->parameters()) taken.insert(key(p));
+    }
+    const std::string prefix = modules.size() > 1 ? std::to_string(i) + "." : "";
+    for (const auto& item : module->named_parameters()) {
+      candidates.emplace_back(prefix + item.key(), item.value());
+    }
+  }
+  std::set<const c10::TensorImpl*> in_module;
+  for (const auto& [name, param] : candidates) in_module.insert(key(param));
+  auto check_belongs = [&](const std::vector<at::Tensor>& params, const char* what) {
+    std::set<const c10::TensorImpl*> keys;
+    for (const auto& p : params) {
+      if (!in_module.count(key(p))) {
+        throw std::invalid_argument(std::string(what) + ": a tensor of shape " +
+                                    c10::str(p.sizes()) +
+                                    " is not a parameter of the module(s) given to fully_shard");
+      }
+      keys.insert(key(p));
+    }
+    return keys;
+  };
+  const auto ignored = check_belongs(options.ignored_params, "ignored_params");
+  const auto replicated = check_belongs(options.replicate_params, "replicate_params");
+
+  detail::ParamPolicy policy;
+  policy.param_dtype = options.mp_policy.param_dtype;
+  policy.reduce_dtype = options.mp_policy.reduce_dtype;
+  policy.fp32_main_grad = options.mp_policy.apply_grad_on_fp32_main_grad;
+  policy.offload = options.offload_policy.offload;
+  policy.pin_memory = options.offload_policy.pin_memory;
+
+  std::vector<std::unique_ptr<detail::FSDPParam>> sharded;
+  std::vector<detail::ReplicatedParam> replicas;
+  std::set<const c10::TensorImpl*> seen;  // a tied parameter is managed once
+  for (const auto& [name, param] : candidates) {
+    if (taken.count(key(param)) || ignored.count(key(param)) || !seen.insert(key(param)).second) {
+      continue;
+    }
+    std::optional<Placement> placement;
+    if (options.shard_placement_fn) placement = options.shard_placement_fn(name, param);
+    if (replicated.count(key(param)) || param.dim() == 0) {
+      placement = Placement::replicate();  // scalars cannot be split
+    }
+    if (!placement) placement = Placement::shard(0);
+    if (placement->is_replicate()) {
+      replicas.push_back(detail::ReplicatedParam{name, param, {}, {}});
+      continue;
+    }
+    const int64_t dim = placement->dim() < 0 ? placement->dim() + param.dim() : placement->dim();
+    if (dim < 0 || dim >= param.dim()) {
+      throw std::invalid_argument("shard_placement_fn returned " + placement->str() + " for '" +
+                                  name + "' of shape " + c10::str(param.sizes()) +
+                                  "; the shard dim must be in [0, " +
+                                  std::to_string(param.dim()) + ")");
+    }
+    sharded.push_back(std::make_unique<detail::FSDPParam>(
+        name, param, dim, comm.shard->size(), comm.shard->rank(), policy));
+  }
+
+  auto group = std::make_unique<detail::ParamGroup>(std::move(sharded), std::move(replicas), comm,
+                                                    options.comm_fusion);
+  std::vector<std::weak_ptr<torch::nn::Module>> roots;
+  for (const auto& m : modules) roots.push_back(m.module());
+  auto state = std::make_shared<FSDPState>(std::move(group), options.mp_policy,
+                                           options.reshard_after_forward,
+                                           [roots] { return states_in_subtree(roots); });
+  std::vector<FSDPModule> result;
+  for (const auto& m : modules) {
+    detail::register_state(m.module(), state);
+    result.emplace_back(state);
+  }
+  return result;
+}
+
+FSDPModule fully_shard(ShardableModule module, FullyShardOptions options) {
+  return fully_shard(std::vector<ShardableModule>{std::move(module)}, std::move(options)).front();
+}
+
+}  // namespace hp

@@ -1,0 +1,263 @@
+#include "param_group.h"
+
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+namespace hp::detail {
+namespace {
+
+// Slots of the fused reduce buffer start on 512-byte boundaries, as the all-reduce
+// backends prefer aligned inputs.
+constexpr int64_t kSlotAlignmentBytes = 512;
+
+// Releases the memory of a buffer this library allocated, even if a view of it is
+// still referenced somewhere.
+void free_storage(const at::Tensor& tensor) {
+  tensor.storage().unsafeGetStorageImpl()->reset();
+}
+
+}  // namespace
+
+ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
+                       std::vector<ReplicatedParam> replicated, GroupComm comm, bool comm_fusion)
+    : params_(std::move(params)),
+      replicated_(std::move(replicated)),
+      comm_(std::move(comm)),
+      comm_fusion_(comm_fusion) {
+  if (comm_fusion_) {
+    for (const auto& p : params_) {
+      if (p->param_dtype() != params_.front()->param_dtype()) {
+        throw std::invalid_argument(
+            "comm_fusion packs all parameters of a module into one buffer, but '" + p->name() +
+            "' and '" + params_.front()->name() +
+            "' have different dtypes; set mp_policy.param_dtype or turn comm_fusion off");
+      }
+    }
+  }
+}
+
+CommHandle ParamGroup::unshard(bool async) {
+  if (state_ == State::kSharded) {
+    state_ = State::kPending;
+    pending_unshard_ = issue_all_gather();
+  }
+  if (!async) wait_for_unshard();
+  return state_ == State::kPending ? pending_unshard_ : CommHandle();
+}
+
+void ParamGroup::wait_for_unshard() {
+  if (state_ != State::kPending) return;
+  pending_unshard_.wait();  // its completion installs the unsharded parameters
+  pending_unshard_ = CommHandle();
+}
+
+void ParamGroup::reshard() {
+  if (state_ == State::kPending) {
+    // Let the collective finish (its buffers are in use), but install nothing.
+    state_ = State::kSharded;
+    pending_unshard_.wait();
+    pending_unshard_ = CommHandle();
+    return;
+  }
+  if (state_ == State::kUnsharded) {
+    for (auto& p : params_) p->install_sharded();
+    state_ = State::kSharded;
+  }
+}
+
+CommHandle ParamGroup::issue_all_gather() {
+  const Group& group = *comm_.shard;
+  const int64_t world = group.size();
+  // Every path installs only if the unshard is still wanted when it completes.
+  if (world == 1 || params_.empty()) {
+    // No communication: record the pending unshard; materialise from the latest shard
+    // when someone waits (seed 000).
+    return CommHandle::deferred([this] {
+      if (state_ != State::kPending) return;
+      for (auto& p : params_) p->install_unsharded(p->all_gather_input());
+      state_ = State::kUnsharded;
+    });
+  }
+  if (!comm_fusion_) {
+    // One all-gather per parameter, straight from the shard into the unsharded
+    // buffer: no copy-in, and for Shard(0) no copy-out either.
+    std::vector<at::Tensor> outputs;
+    std::vector<CommHandle> gathers;
+    for (auto& p : params_) {
+      at::Tensor input = p->all_gather_input();
+      outputs.push_back(at::empty({world * p->layout().padded_numel}, input.options()));
+      gathers.push_back(all_gather(outputs.back(), input, group));
+    }
+    return CommHandle::deferred([this, outputs, gathers]() mutable {
+      for (auto& gather : gathers) gather.wait();
+      if (state_ != State::kPending) return;
+      for (size_t i = 0; i < params_.size(); ++i) params_[i]->install_unsharded(outputs[i]);
+      state_ = State::kUnsharded;
+    });
+  }
+  // comm_fusion: copy the shards into one input, one all-gather, copy out per param.
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (auto& p : params_) {
+    offsets.push_back(total);
+    total += p->layout().padded_numel;
+  }
+  const at::Tensor first = params_.front()->all_gather_input();
+  at::Tensor input = at::empty({total}, first.options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    input.narrow(0, offsets[i], params_[i]->layout().padded_numel)
+        .copy_(params_[i]->all_gather_input());
+  }
+  at::Tensor output = at::empty({world * total}, input.options());
+  CommHandle gather = all_gather(output, input, group);
+  return CommHandle::deferred([this, input, output, offsets, gather, world, total]() mutable {
+    gather.wait();
+    if (state_ == State::kPending) {
+      at::Tensor by_rank = output.view({world, total});
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const int64_t n = params_[i]->layout().padded_numel;
+        params_[i]->install_unsharded(by_rank.narrow(1, offsets[i], n).contiguous().view(-1));
+      }
+      state_ = State::kUnsharded;
+    }
+    // The fused buffers are released right after copy-out.
+    free_storage(output);
+    free_storage(input);
+  });
+}
+
+void ParamGroup::stash_replicated_grads() {
+  for (auto& rp : replicated_) {
+    if (rp.variable.grad().defined()) rp.variable.mutable_grad() = at::Tensor();
+  }
+}
+
+void ParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
+  for (auto& rp : replicated_) {
+    at::Tensor grad = rp.variable.grad();
+    rp.variable.mutable_grad() = rp.reduced_grad;
+    if (!grad.defined() || !rp.variable.requires_grad()) continue;
+    if (rp.unsynced_grad.defined()) {
+      grad = rp.unsynced_grad.add_(grad);
+      rp.unsynced_grad = at::Tensor();
+    }
+    if (!settings.sync) {
+      rp.unsynced_grad = grad;
+      continue;
+    }
+    grad = grad.contiguous();
+    pending_->replicated.emplace_back(&rp, grad);
+    pending_->replicated_all_reduces.push_back(all_reduce(grad, ReduceOp::kSum, *comm_.data_parallel));
+  }
+}
+
+void ParamGroup::start_reduce(const ReduceSettings& settings) {
+  if (pending_) {
+    throw std::logic_error("a gradient reduction is still pending for this module");
+  }
+  pending_.emplace();
+  PendingReduce& r = *pending_;
+  r.settings = settings;
+  std::vector<at::Tensor> grads;
+  for (auto& p : params_) {
+    if (!p->requires_grad()) continue;  // frozen: never reduced
+    at::Tensor grad = p->take_unsharded_grad();
+    if (!grad.defined()) continue;
+    if (!settings.sync) {
+      p->keep_unsharded_grad(std::move(grad));
+      continue;
+    }
+    r.params.push_back(p.get());
+    grads.push_back(std::move(grad));
+  }
+  start_replicated_reduce(settings);
+  if (r.params.empty()) return;
+
+  const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
+  const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(dtype));
+  int64_t total = 0;
+  for (FSDPParam* p : r.params) {
+    r.offsets.push_back(total);
+    total += (p->layout().padded_numel + align - 1) / align * align;
+  }
+  const at::TensorOptions options = grads.front().options().dtype(dtype);
+  r.buffer = at::zeros({total}, options);
+  const Group& shard = *comm_.shard;
+  const int64_t world = shard.size();
+  if (comm_fusion_ && world > 1) {
+    // One reduce-scatter: rank-major input laid out like the buffer, so its output
+    // lands in the buffer as is.
+    at::Tensor input = at::zeros({world, total}, options);
+    for (size_t i = 0; i < r.params.size(); ++i) {
+      ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
+      const int64_t n = r.params[i]->layout().padded_numel;
+      input.narrow(1, r.offsets[i], n).copy_(part.flat.view({world, n}));
+      r.inputs.push_back(std::move(part));
+    }
+    r.inputs.push_back({input.view(-1), /*owned=*/true});
+    r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, shard));
+    return;
+  }
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
+    at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
+    r.reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, shard));
+    r.inputs.push_back(std::move(part));
+  }
+}
+
+void ParamGroup::finish_reduce() {
+  if (!pending_) return;
+  PendingReduce r = std::move(*pending_);
+  pending_.reset();
+  for (auto& handle : r.reduce_scatters) handle.wait();
+  // Seed 002: only what this library allocated is freed; a view of the caller's
+  // gradient is merely dropped.
+  for (auto& input : r.inputs) {
+    if (input.owned) {
+      free_storage(input.flat);
+      ++stats_.freed_owned;
+    } else {
+      ++stats_.kept_aliased;
+    }
+  }
+  r.inputs.clear();
+  const double factor = r.settings.divide_factor;
+  if (!r.params.empty()) {
+    if (factor != 1.0) r.buffer.div_(factor);
+    const bool has_replicas = comm_.replicate->size() > 1;
+    const bool all_reduce_now = has_replicas && r.settings.all_reduce;
+    if (all_reduce_now) {
+      for (size_t i = 0; i < r.params.size(); ++i) {
+        at::Tensor partial = r.params[i]->take_partial_grad(r.buffer.scalar_type());
+        if (partial.defined()) {
+          r.buffer.narrow(0, r.offsets[i], partial.numel()).add_(partial);
+        }
+      }
+      all_reduce(r.buffer, ReduceOp::kSum, *comm_.replicate).wait();
+    }
+    for (size_t i = 0; i < r.params.size(); ++i) {
+      at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
+      r.params[i]->accumulate_sharded_grad(slot, has_replicas && !all_reduce_now);
+    }
+  }
+  for (size_t i = 0; i < r.replicated.size(); ++i) {
+    r.replicated_all_reduces[i].wait();
+    auto& [rp, grad] = r.replicated[i];
+    if (factor != 1.0) grad.div_(factor);
+    rp->reduced_grad = rp->reduced_grad.defined() ? rp->reduced_grad.add_(grad) : grad;
+    rp->variable.mutable_grad() = rp->reduced_grad;
+  }
+}
+
+void ParamGroup::zero_grad() {
+  for (auto& p : params_) p->zero_grad();
+  for (auto& rp : replicated_) {
+    rp.variable.mutable_grad() = at::Tensor();
+    rp.reduced_grad = at::Tensor();
+    rp.unsynced_grad = at::Tensor();
+  }
+}
+
+}  // namespace hp::detail

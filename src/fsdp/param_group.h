@@ -1,0 +1,104 @@
+#pragma once
+// The parameters one fully_shard call manages, and the collectives over them:
+// unshard (all-gather) / reshard, and gradient reduction (reduce-scatter over the shard
+// dimension, all-reduce over the replicate dimension).
+//
+// Unshard is a small state machine: sharded -> pending -> unsharded. "Pending" is
+// always represented by a CommHandle, also when no collective is needed (shard group of
+// size 1): the handle then carries the materialisation, run from the latest shard at
+// the first wait() (seed 000), never earlier.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "fsdp_param.h"
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/comm_handle.h"
+#include "hyperparallel/process_group.h"
+#include "hyperparallel/reduce_buffer_stats.h"
+
+namespace hp::detail {
+
+struct GroupComm {
+  std::shared_ptr<World> world;
+  GroupPtr shard;           // the shard dimension (may have one rank)
+  GroupPtr replicate;       // the replicate dimension (one rank for 1-D FSDP)
+  GroupPtr data_parallel;   // replicate x shard, for replicated parameters
+};
+
+// A parameter that every rank holds in full (replicate_params, or Replicate() from
+// shard_placement_fn); its gradient is all-reduced over the data-parallel ranks.
+struct ReplicatedParam {
+  std::string name;
+  at::Tensor variable;
+  at::Tensor reduced_grad;   // what earlier backwards already reduced
+  at::Tensor unsynced_grad;  // accumulated with gradient sync off
+};
+
+struct ReduceSettings {
+  bool sync = true;        // set_requires_gradient_sync
+  bool all_reduce = true;  // set_requires_all_reduce
+  double divide_factor = 1.0;  // 1: sum
+};
+
+class ParamGroup {
+ public:
+  ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
+             std::vector<ReplicatedParam> replicated, GroupComm comm, bool comm_fusion);
+
+  const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
+  std::vector<ReplicatedParam>& replicated() { return replicated_; }
+  const GroupComm& comm() const { return comm_; }
+
+  // --- unshard / reshard -------------------------------------------------------
+  CommHandle unshard(bool async);
+  void wait_for_unshard();
+  void reshard();
+  bool is_unsharded() const { return state_ == State::kUnsharded; }
+  bool unshard_pending() const { return state_ == State::kPending; }
+
+  // --- gradients ----------------------------------------------------------------
+  // Called before backward accumulates into replicated parameters: sets aside their
+  // already reduced gradient so the new one can be told apart.
+  void stash_replicated_grads();
+  // Takes the unsharded gradients out of the parameters. With sync off they are kept
+  // for later; with sync on the reduce-scatters are issued (asynchronously).
+  void start_reduce(const ReduceSettings& settings);
+  bool reduce_pending() const { return pending_.has_value(); }
+  // Waits for the reduce-scatters, runs the replicate-dim all-reduce and installs the
+  // sharded gradients.
+  void finish_reduce();
+
+  void zero_grad();
+  const ReduceBufferStats& reduce_buffer_stats() const { return stats_; }
+
+ private:
+  enum class State { kSharded, kPending, kUnsharded };
+
+  CommHandle issue_all_gather();
+  void start_replicated_reduce(const ReduceSettings& settings);
+
+  struct PendingReduce {
+    ReduceSettings settings;
+    std::vector<FSDPParam*> params;
+    std::vector<int64_t> offsets;  // slot of each param in `buffer`, 512-byte aligned
+    at::Tensor buffer;             // reduce-scatter outputs, then the all-reduce input
+    std::vector<ReduceScatterInput> inputs;
+    std::vector<CommHandle> reduce_scatters;
+    std::vector<std::pair<ReplicatedParam*, at::Tensor>> replicated;  // grads being reduced
+    std::vector<CommHandle> replicated_all_reduces;
+  };
+
+  std::vector<std::unique_ptr<FSDPParam>> params_;
+  std::vector<ReplicatedParam> replicated_;
+  GroupComm comm_;
+  bool comm_fusion_;
+  State state_ = State::kSharded;
+  CommHandle pending_unshard_;
+  std::optional<PendingReduce> pending_;
+  ReduceBufferStats stats_;
+};
+
+}  // namespace hp::detail

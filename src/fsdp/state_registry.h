@@ -1,0 +1,15 @@
+#pragma once
+
+#include <memory>
+
+#include <torch/nn/module.h>
+
+namespace hp::detail {
+
+class FSDPState;
+
+// Throws if the module already has a state.
+void register_state(const std::shared_ptr<torch::nn::Module>& module,
+                    std::shared_ptr<FSDPState> state);
+
+}  // namespace hp::detail
