@@ -10,6 +10,9 @@
 // unchanged); around each forward/backward they are swapped for the unsharded tensors.
 // Forward interception needs the call to go through Sharded<M>::operator().
 
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
 #include <functional>
 #include <memory>
 #include <optional>
@@ -17,10 +20,8 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
-
-#include <torch/nn/module.h>
-#include <torch/nn/pimpl.h>
 
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/mesh.h"
@@ -39,7 +40,11 @@ struct FullyShardOptions {
   // 1-D: FSDP over it. 2-D: HSDP, dim 0 replicates, dim 1 shards.
   std::optional<DeviceMesh> mesh;
   // Unset: reshard after forward, except for the root (whose backward comes first).
-  std::optional<bool> reshard_after_forward;
+  // true / false: reshard after forward or keep the unsharded parameters until backward.
+  // An int k dividing the shard size: after forward keep the parameters sharded over
+  // groups of k consecutive shard ranks (e.g. one node), so backward all-gathers only
+  // within that group. k == 1 is true, k == shard size is false.
+  std::optional<std::variant<bool, int64_t>> reshard_after_forward;
   // Per parameter (name relative to the module): Shard(dim) or Replicate(); unset
   // result or unset function: Shard(0).
   std::function<std::optional<Placement>(const std::string& name, const at::Tensor& param)>
@@ -204,8 +209,9 @@ template <typename Holder>
 FSDPModule Sharded<Holder>::fsdp() const {
   auto state = detail::state_of(this->ptr().get());
   if (!state) {
-    throw std::logic_error("this module was not fully_shard-ed; call hp::fully_shard(module) "
-                           "before using its FSDP interface");
+    throw std::logic_error(
+        "this module was not fully_shard-ed; call hp::fully_shard(module) "
+        "before using its FSDP interface");
   }
   return FSDPModule(state);
 }

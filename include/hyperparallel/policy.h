@@ -1,9 +1,9 @@
 #pragma once
 // Immutable policies given to fully_shard.
 
-#include <optional>
-
 #include <c10/core/ScalarType.h>
+
+#include <optional>
 
 namespace hp {
 

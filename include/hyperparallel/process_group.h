@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,7 +71,10 @@ class World {
   // Creates the group `ranks` (global ranks, which must contain this rank) under a
   // name unique among groups of this World. Every member must call it, and all members
   // must create their groups in the same order (the rendezvous blocks until all joined).
+  // Names are never reused: a second new_group with a known name throws.
   GroupPtr new_group(const std::string& name, std::vector<int64_t> ranks);
+  // The group created under `name` by this rank, or null.
+  GroupPtr find_group(const std::string& name) const;
 
   // 0, 1, 2, ... per call: names meshes consistently on all ranks (who build the same
   // meshes in the same order), so their groups get distinct names.
@@ -86,6 +90,7 @@ class World {
   c10::intrusive_ptr<c10d::Store> store_;
   WorldOptions options_;
   GroupPtr world_group_;
+  std::map<std::string, GroupPtr> groups_;
   int64_t mesh_count_ = 0;
 };
 

@@ -27,7 +27,9 @@ struct PostBackward : torch::autograd::Function<PostBackward> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto holder = ctx->saved_data["state"].toCapsule();
-    if (auto state = static_cast<StateRef*>(holder.get())->state.lock()) state->post_backward();
+    if (auto state = static_cast<StateRef*>(holder.get())->state.lock()) {
+      state->post_backward_hook_fired();
+    }
     grads.emplace_back();  // for the StateRef argument
     return grads;
   }
@@ -45,7 +47,7 @@ void register_pre_backward_hooks(const std::vector<at::Tensor*>& outputs,
   }
 }
 
-void register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
+bool register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
                                  const std::weak_ptr<FSDPState>& state) {
   torch::autograd::variable_list needing_grad;
   std::vector<at::Tensor*> targets;
@@ -55,11 +57,12 @@ void register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
       targets.push_back(input);
     }
   }
-  if (needing_grad.empty()) return;  // the root's end-of-backward callback covers it
+  if (needing_grad.empty()) return false;  // the root's end-of-backward callback covers it
   // As a TensorList (not a vector) so that autograd records the tensors as inputs.
   auto outputs =
       PostBackward::apply(at::TensorList(needing_grad), c10::make_intrusive<StateRef>(state));
   for (size_t i = 0; i < targets.size(); ++i) *targets[i] = outputs[i];
+  return true;
 }
 
 void queue_end_of_backward_callback(std::function<void()> callback) {

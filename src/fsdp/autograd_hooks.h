@@ -6,11 +6,11 @@
 //    once the gradients of those inputs — and so of the module's parameters — exist;
 //  - end of backward: a callback queued on the engine by the root.
 
+#include <ATen/core/Tensor.h>
+
 #include <functional>
 #include <memory>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 namespace hp::detail {
 
@@ -19,8 +19,8 @@ class FSDPState;
 void register_pre_backward_hooks(const std::vector<at::Tensor*>& outputs,
                                  const std::weak_ptr<FSDPState>& state);
 // Replaces the inputs that require grad by identity views whose backward calls
-// state->post_backward().
-void register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
+// state->post_backward_hook_fired(). False when no input requires grad.
+bool register_post_backward_hook(const std::vector<at::Tensor*>& inputs,
                                  const std::weak_ptr<FSDPState>& state);
 // Only valid while a backward pass runs.
 void queue_end_of_backward_callback(std::function<void()> callback);

@@ -1,9 +1,9 @@
 // FSDPModule: the module interface, forwarding to the state (and, with recurse, to the
 // states of the module's subtree).
-#include <stdexcept>
-
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+
+#include <stdexcept>
 
 #include "fsdp_state.h"
 #include "hyperparallel/fully_shard.h"
@@ -102,8 +102,8 @@ std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
                      Placement::shard(p->layout().dim), dims});
   }
   for (const auto& r : state_->group().replicated()) {
-    infos.push_back({r.name, r.variable.sizes().vec(), r.variable.sizes().vec(),
-                     Placement::replicate(), dims});
+    infos.push_back(
+        {r.name, r.variable.sizes().vec(), r.variable.sizes().vec(), Placement::replicate(), dims});
   }
   return infos;
 }
@@ -116,8 +116,9 @@ at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   for (const auto& r : state_->group().replicated()) {
     if (r.name == name) return r.variable.detach().clone();
   }
-  throw std::invalid_argument("no parameter '" + name + "' in this fully_shard-ed module (it has: " +
-                              known_names(*state_) + ")");
+  throw std::invalid_argument("no parameter '" + name +
+                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
+                              ")");
 }
 
 at::Tensor FSDPModule::full_grad(const std::string& name) const {
@@ -131,17 +132,19 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     return gather_whole(*p, p->pad_local(grad, grad.scalar_type()), *state_->group().comm().shard);
   }
   for (const auto& r : state_->group().replicated()) {
-    if (r.name == name) return r.variable.grad().defined() ? r.variable.grad().clone() : at::Tensor();
+    if (r.name == name)
+      return r.variable.grad().defined() ? r.variable.grad().clone() : at::Tensor();
   }
-  throw std::invalid_argument("no parameter '" + name + "' in this fully_shard-ed module (it has: " +
-                              known_names(*state_) + ")");
+  throw std::invalid_argument("no parameter '" + name +
+                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
+                              ")");
 }
 
 at::Tensor FSDPModule::main_grad(const std::string& name) const {
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) return p->main_grad();
   throw std::invalid_argument("no sharded parameter '" + name +
-                              "' in this fully_shard-ed module (it has: " +
-                              known_names(*state_) + ")");
+                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
+                              ")");
 }
 
 ReduceBufferStats FSDPModule::reduce_buffer_stats() const {

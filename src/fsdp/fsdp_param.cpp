@@ -1,9 +1,9 @@
 #include "fsdp_param.h"
 
-#include <stdexcept>
-
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+
+#include <stdexcept>
 
 namespace hp::detail {
 
@@ -25,8 +25,8 @@ std::vector<int64_t> ShardLayout::local_shape() const {
   return shape;
 }
 
-FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim,
-                     int64_t shard_world, int64_t shard_rank, ParamPolicy policy)
+FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_world,
+                     int64_t shard_rank, ParamPolicy policy)
     : name_(std::move(name)),
       variable_(std::move(variable)),
       layout_(variable_.sizes().vec(), shard_dim, shard_world, shard_rank),
@@ -41,7 +41,8 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim,
     shard_options = shard_options.pinned_memory(policy_.pin_memory && compute_device_.is_cuda());
   }
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
-  sharded_view_ = padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
+  sharded_view_ =
+      padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
   if (layout_.local > 0) {
     sharded_view_.copy_(
         variable_.detach().narrow(layout_.dim, layout_.rank * layout_.chunk, layout_.local));
@@ -72,8 +73,14 @@ at::Tensor FSDPParam::assemble_full(const at::Tensor& gathered) const {
   return full;
 }
 
+at::Tensor FSDPParam::post_forward_shard(int64_t index, int64_t parts) const {
+  const int64_t length = gathered_.numel() / parts;
+  return gathered_.narrow(0, index * length, length).clone();
+}
+
 void FSDPParam::install_unsharded(const at::Tensor& gathered) {
   at::Tensor full = assemble_full(gathered);
+  gathered_ = gathered;
   if (!unsharded_) {
     stashed_sharded_grad_ = variable_.grad();
     variable_.mutable_grad() = at::Tensor();
@@ -90,6 +97,7 @@ void FSDPParam::install_sharded() {
     stashed_sharded_grad_ = at::Tensor();
   }
   variable_.set_data(sharded_view_);
+  gathered_ = at::Tensor();
   unsharded_ = false;
 }
 
@@ -106,8 +114,10 @@ at::Tensor FSDPParam::take_unsharded_grad() {
   at::Tensor grad = variable_.grad();
   if (grad.defined()) variable_.mutable_grad() = at::Tensor();
   if (accumulated_unsharded_grad_.defined()) {
-    grad = grad.defined() ? accumulated_unsharded_grad_.add_(grad.to(accumulated_unsharded_grad_.scalar_type()))
-                          : accumulated_unsharded_grad_;
+    grad =
+        grad.defined()
+            ? accumulated_unsharded_grad_.add_(grad.to(accumulated_unsharded_grad_.scalar_type()))
+            : accumulated_unsharded_grad_;
     accumulated_unsharded_grad_ = at::Tensor();
   }
   return grad;
@@ -167,15 +177,16 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
   at::Tensor& grad = sharded_grad();
   if (partial && grad.defined() && !grad_is_partial_) {
     throw std::logic_error(
-        "parameter '" + name_ + "': a gradient that was not all-reduced (set_requires_all_reduce"
+        "parameter '" + name_ +
+        "': a gradient that was not all-reduced (set_requires_all_reduce"
         "(false)) would be added to one that was; call zero_grad() before turning all-reduce off");
   }
   if (policy_.fp32_main_grad) {
     if (main_grad_.defined()) {
       main_grad_.add_(local.to(shard_device, at::kFloat));
     } else {
-      main_grad_ = local.to(shard_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                       .contiguous();
+      main_grad_ =
+          local.to(shard_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
     }
     grad = main_grad_;
   } else if (grad.defined()) {

@@ -6,11 +6,11 @@
 // parameters() and optimizer state all refer to it); only its data is swapped with
 // set_data between the local shard and the unsharded tensor.
 
+#include <ATen/core/Tensor.h>
+
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 #include "hyperparallel/placement.h"
 
@@ -69,6 +69,9 @@ class FSDPParam {
   at::Tensor assemble_full(const at::Tensor& gathered) const;
   // Installs assemble_full(gathered) (gathered in param dtype) as the variable's data.
   void install_unsharded(const at::Tensor& gathered);
+  // Part `index` of `parts` equal parts of the gathered buffer (a copy): what this rank
+  // keeps after forward when resharding to a group of `parts` ranks.
+  at::Tensor post_forward_shard(int64_t index, int64_t parts) const;
   // The padded shard in the parameter's own dtype, on the compute device.
   at::Tensor padded_shard() const { return padded_shard_.to(compute_device_); }
   // A local-shard-shaped tensor laid out as a [padded_numel] shard of `dtype`.
@@ -113,6 +116,7 @@ class FSDPParam {
   at::Tensor padded_shard_;  // [padded_numel], orig dtype; padding stays zero
   at::Tensor sharded_view_;  // local shard shape, a view of padded_shard_
   bool unsharded_ = false;
+  at::Tensor gathered_;  // while unsharded: the [world x padded_numel] all-gather output
   at::Tensor accumulated_unsharded_grad_;
   at::Tensor main_grad_;
   bool grad_is_partial_ = false;

@@ -1,9 +1,9 @@
 #include "fsdp_state.h"
 
-#include <stdexcept>
-
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+
+#include <stdexcept>
 
 #include "autograd_hooks.h"
 
@@ -84,14 +84,13 @@ void FSDPState::lazy_init_as_root() {
   }
 }
 
-void FSDPState::finish_pending_reductions() {
-  group_->finish_reduce();
-}
+void FSDPState::finish_pending_reductions() { group_->finish_reduce(); }
 
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
   if (!initialized()) lazy_init_as_root();
   if (is_root()) {
+    for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
     // Reductions left pending by a backward with set_is_last_backward(false) finish
     // before parameters are used again.
     for_each_live(tree_, [](FSDPState& s) { s.finish_pending_reductions(); });
@@ -99,12 +98,18 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   group_->unshard(/*async=*/false);
   for_each_live(forward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
-  if (c10::GradMode::is_enabled()) register_post_backward_hook(inputs, weak_from_this());
+  if (c10::GradMode::is_enabled() && register_post_backward_hook(inputs, weak_from_this())) {
+    ++post_backward_hooks_pending_;
+  }
 }
 
 void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (--forward_depth_ > 0) return;
-  if (reshard_after_forward()) group_->reshard();
+  if (group_->has_post_forward_group()) {
+    group_->reshard_to_post_forward_group();
+  } else if (reshard_after_forward()) {
+    group_->reshard();
+  }
   if (mp_.output_dtype) cast_floating(outputs, *mp_.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs, weak_from_this());
 }
@@ -125,7 +130,13 @@ void FSDPState::pre_backward() {
   for_each_live(backward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
 }
 
+void FSDPState::post_backward_hook_fired() {
+  if (--post_backward_hooks_pending_ > 0) return;
+  post_backward();
+}
+
 void FSDPState::post_backward() {
+  post_backward_hooks_pending_ = 0;
   if (!in_backward_ || post_backward_done_) return;
   post_backward_done_ = true;
   group_->finish_reduce();  // one left pending by set_is_last_backward(false)

@@ -4,12 +4,12 @@
 // outermost fully_shard-ed module of a forward — at the end of the whole backward.
 // Free of torch::nn::Module: it sees tensors and other states only.
 
+#include <ATen/core/Tensor.h>
+
 #include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/policy.h"
@@ -35,13 +35,18 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void pre_forward(const std::vector<at::Tensor*>& inputs);
   void post_forward(const std::vector<at::Tensor*>& outputs);
   void pre_backward();
-  void post_backward();
+  // From the identity function over one module's inputs. A state shared by several
+  // modules reduces only after the last of them finished its backward.
+  void post_backward_hook_fired();
 
   // --- the module interface -----------------------------------------------------
   std::vector<StatePtr> subtree() const { return subtree_(); }
   bool is_root() const { return root_.lock().get() == this; }
   bool initialized() const { return !root_.expired(); }
-  void set_reshard_after_forward(bool value) { reshard_after_forward_ = value; }
+  void set_reshard_after_forward(bool value) {
+    reshard_after_forward_ = value;
+    group_->set_post_forward_group(nullptr);
+  }
   void set_reshard_after_backward(bool value) { reshard_after_backward_ = value; }
   void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
   void set_requires_all_reduce(bool value) { requires_all_reduce_ = value; }
@@ -56,6 +61,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void finish_pending_reductions();
 
  private:
+  void post_backward();
   void lazy_init_as_root();
   void root_post_backward_final_callback();
   ReduceSettings reduce_settings() const;
@@ -75,10 +81,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   std::weak_ptr<FSDPState> root_;
   std::vector<std::weak_ptr<FSDPState>> tree_;  // root only: every state it drives
-  int forward_depth_ = 0;          // >1 when several modules share this state
-  bool in_backward_ = false;       // pre-backward ran in the current backward
+  int forward_depth_ = 0;                       // >1 when several modules share this state
+  bool in_backward_ = false;                    // pre-backward ran in the current backward
   bool post_backward_done_ = false;
-  bool final_callback_queued_ = false;  // root only
+  int post_backward_hooks_pending_ = 0;  // registered in forward, not yet fired
+  bool final_callback_queued_ = false;   // root only
 };
 
 }  // namespace hp::detail

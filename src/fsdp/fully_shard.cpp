@@ -2,10 +2,10 @@
 // FSDPParams, the ParamGroup and the FSDPState, and links the modules to the state.
 #include "hyperparallel/fully_shard.h"
 
+#include <ATen/ATen.h>
+
 #include <set>
 #include <stdexcept>
-
-#include <ATen/ATen.h>
 
 #include "fsdp_param.h"
 #include "fsdp_state.h"
@@ -33,8 +33,9 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   if (dims.size() == 1) {
     comm.shard = mesh.group(dims[0]);
     // No replicate dimension: a group of this rank alone (no backend, no rendezvous).
-    comm.replicate = comm.world->new_group("self/" + std::to_string(comm.world->rank()),
-                                           {comm.world->rank()});
+    const std::string self = "self/" + std::to_string(comm.world->rank());
+    comm.replicate = comm.world->find_group(self);
+    if (!comm.replicate) comm.replicate = comm.world->new_group(self, {comm.world->rank()});
     comm.data_parallel = comm.shard;
     return comm;
   }
@@ -52,7 +53,8 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   return comm;
 }
 
-std::vector<detail::StatePtr> states_in_subtree(const std::vector<std::weak_ptr<torch::nn::Module>>& roots) {
+std::vector<detail::StatePtr> states_in_subtree(
+    const std::vector<std::weak_ptr<torch::nn::Module>>& roots) {
   std::vector<detail::StatePtr> states;
   for (const auto& weak : roots) {
     auto root = weak.lock();
@@ -67,6 +69,32 @@ std::vector<detail::StatePtr> states_in_subtree(const std::vector<std::weak_ptr<
   return states;
 }
 
+// reshard_after_forward: whether to reshard after forward, and for an int k, the group
+// of k consecutive shard ranks this rank reshards to.
+std::pair<std::optional<bool>, GroupPtr> resolve_reshard_after_forward(
+    const std::optional<std::variant<bool, int64_t>>& option, const detail::GroupComm& comm) {
+  if (!option) return {std::nullopt, nullptr};
+  if (const bool* flag = std::get_if<bool>(&*option)) return {*flag, nullptr};
+  const int64_t k = std::get<int64_t>(*option);
+  const Group& shard = *comm.shard;
+  if (k <= 0 || shard.size() % k != 0) {
+    throw std::invalid_argument(
+        "reshard_after_forward=" + std::to_string(k) + " must divide the shard group size " +
+        std::to_string(shard.size()) + " (e.g. ranks per node); or pass true / false");
+  }
+  if (k == 1) return {true, nullptr};
+  if (k == shard.size()) return {false, nullptr};
+  const int64_t block = shard.rank() / k;
+  std::vector<int64_t> ranks(shard.ranks().begin() + block * k,
+                             shard.ranks().begin() + (block + 1) * k);
+  // Shared by every fully_shard call with this shard group and k.
+  const std::string name =
+      shard.name() + "/post_forward" + std::to_string(k) + "/" + std::to_string(block);
+  GroupPtr group = comm.world->find_group(name);
+  if (!group) group = comm.world->new_group(name, std::move(ranks));
+  return {true, group};
+}
+
 }  // namespace
 
 std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
@@ -79,6 +107,8 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
     }
   }
   detail::GroupComm comm = resolve_mesh(options.mesh);
+  auto [reshard_after_forward, post_forward_group] =
+      resolve_reshard_after_forward(options.reshard_after_forward, comm);
 
   // Parameters a fully_shard-ed submodule manages belong to it, whole subtree included.
   std::set<const c10::TensorImpl*> taken;
@@ -139,20 +169,21 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
     if (dim < 0 || dim >= param.dim()) {
       throw std::invalid_argument("shard_placement_fn returned " + placement->str() + " for '" +
                                   name + "' of shape " + c10::str(param.sizes()) +
-                                  "; the shard dim must be in [0, " +
-                                  std::to_string(param.dim()) + ")");
+                                  "; the shard dim must be in [0, " + std::to_string(param.dim()) +
+                                  ")");
     }
-    sharded.push_back(std::make_unique<detail::FSDPParam>(
-        name, param, dim, comm.shard->size(), comm.shard->rank(), policy));
+    sharded.push_back(std::make_unique<detail::FSDPParam>(name, param, dim, comm.shard->size(),
+                                                          comm.shard->rank(), policy));
   }
 
   auto group = std::make_unique<detail::ParamGroup>(std::move(sharded), std::move(replicas), comm,
                                                     options.comm_fusion);
+  group->set_post_forward_group(post_forward_group);
   std::vector<std::weak_ptr<torch::nn::Module>> roots;
   for (const auto& m : modules) roots.push_back(m.module());
-  auto state = std::make_shared<FSDPState>(std::move(group), options.mp_policy,
-                                           options.reshard_after_forward,
-                                           [roots] { return states_in_subtree(roots); });
+  auto state =
+      std::make_shared<FSDPState>(std::move(group), options.mp_policy, reshard_after_forward,
+                                  [roots] { return states_in_subtree(roots); });
   std::vector<FSDPModule> result;
   for (const auto& m : modules) {
     detail::register_state(m.module(), state);

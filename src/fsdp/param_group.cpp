@@ -1,8 +1,8 @@
 #include "param_group.h"
 
-#include <stdexcept>
-
 #include <ATen/ATen.h>
+
+#include <stdexcept>
 
 namespace hp::detail {
 namespace {
@@ -13,9 +13,7 @@ constexpr int64_t kSlotAlignmentBytes = 512;
 
 // Releases the memory of a buffer this library allocated, even if a view of it is
 // still referenced somewhere.
-void free_storage(const at::Tensor& tensor) {
-  tensor.storage().unsafeGetStorageImpl()->reset();
-}
+void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageImpl()->reset(); }
 
 }  // namespace
 
@@ -64,6 +62,17 @@ void ParamGroup::reshard() {
     for (auto& p : params_) p->install_sharded();
     state_ = State::kSharded;
   }
+  post_forward_shards_.clear();
+}
+
+void ParamGroup::reshard_to_post_forward_group() {
+  wait_for_unshard();
+  if (state_ != State::kUnsharded) return;
+  const int64_t parts = post_forward_group_->size();
+  std::vector<at::Tensor> kept;
+  for (auto& p : params_) kept.push_back(p->post_forward_shard(post_forward_group_->rank(), parts));
+  reshard();
+  post_forward_shards_ = std::move(kept);
 }
 
 CommHandle ParamGroup::issue_all_gather() {
@@ -79,6 +88,18 @@ CommHandle ParamGroup::issue_all_gather() {
       state_ = State::kUnsharded;
     });
   }
+  if (!post_forward_shards_.empty()) {
+    // Resharded to a smaller group after forward: gather within it only.
+    std::vector<at::Tensor> outputs;
+    std::vector<CommHandle> gathers;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& part = post_forward_shards_[i];
+      outputs.push_back(at::empty({part.numel() * post_forward_group_->size()}, part.options()));
+      gathers.push_back(all_gather(outputs.back(), part, *post_forward_group_));
+    }
+    post_forward_shards_.clear();
+    return install_when_done(std::move(outputs), std::move(gathers));
+  }
   if (!comm_fusion_) {
     // One all-gather per parameter, straight from the shard into the unsharded
     // buffer: no copy-in, and for Shard(0) no copy-out either.
@@ -89,12 +110,7 @@ CommHandle ParamGroup::issue_all_gather() {
       outputs.push_back(at::empty({world * p->layout().padded_numel}, input.options()));
       gathers.push_back(all_gather(outputs.back(), input, group));
     }
-    return CommHandle::deferred([this, outputs, gathers]() mutable {
-      for (auto& gather : gathers) gather.wait();
-      if (state_ != State::kPending) return;
-      for (size_t i = 0; i < params_.size(); ++i) params_[i]->install_unsharded(outputs[i]);
-      state_ = State::kUnsharded;
-    });
+    return install_when_done(std::move(outputs), std::move(gathers));
   }
   // comm_fusion: copy the shards into one input, one all-gather, copy out per param.
   std::vector<int64_t> offsets;
@@ -127,6 +143,16 @@ CommHandle ParamGroup::issue_all_gather() {
   });
 }
 
+CommHandle ParamGroup::install_when_done(std::vector<at::Tensor> outputs,
+                                         std::vector<CommHandle> gathers) {
+  return CommHandle::deferred([this, outputs, gathers]() mutable {
+    for (auto& gather : gathers) gather.wait();
+    if (state_ != State::kPending) return;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i]->install_unsharded(outputs[i]);
+    state_ = State::kUnsharded;
+  });
+}
+
 void ParamGroup::stash_replicated_grads() {
   for (auto& rp : replicated_) {
     if (rp.variable.grad().defined()) rp.variable.mutable_grad() = at::Tensor();
@@ -148,7 +174,8 @@ void ParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     }
     grad = grad.contiguous();
     pending_->replicated.emplace_back(&rp, grad);
-    pending_->replicated_all_reduces.push_back(all_reduce(grad, ReduceOp::kSum, *comm_.data_parallel));
+    pending_->replicated_all_reduces.push_back(
+        all_reduce(grad, ReduceOp::kSum, *comm_.data_parallel));
   }
 }
 

@@ -23,9 +23,9 @@ namespace hp::detail {
 
 struct GroupComm {
   std::shared_ptr<World> world;
-  GroupPtr shard;           // the shard dimension (may have one rank)
-  GroupPtr replicate;       // the replicate dimension (one rank for 1-D FSDP)
-  GroupPtr data_parallel;   // replicate x shard, for replicated parameters
+  GroupPtr shard;          // the shard dimension (may have one rank)
+  GroupPtr replicate;      // the replicate dimension (one rank for 1-D FSDP)
+  GroupPtr data_parallel;  // replicate x shard, for replicated parameters
 };
 
 // A parameter that every rank holds in full (replicate_params, or Replicate() from
@@ -38,8 +38,8 @@ struct ReplicatedParam {
 };
 
 struct ReduceSettings {
-  bool sync = true;        // set_requires_gradient_sync
-  bool all_reduce = true;  // set_requires_all_reduce
+  bool sync = true;            // set_requires_gradient_sync
+  bool all_reduce = true;      // set_requires_all_reduce
   double divide_factor = 1.0;  // 1: sum
 };
 
@@ -56,6 +56,11 @@ class ParamGroup {
   CommHandle unshard(bool async);
   void wait_for_unshard();
   void reshard();
+  // reshard_after_forward = k: `group` holds this rank's k consecutive shard ranks.
+  // Reshards keeping 1/k of each parameter; the next unshard gathers within `group`.
+  void set_post_forward_group(GroupPtr group) { post_forward_group_ = std::move(group); }
+  bool has_post_forward_group() const { return post_forward_group_ != nullptr; }
+  void reshard_to_post_forward_group();
   bool is_unsharded() const { return state_ == State::kUnsharded; }
   bool unshard_pending() const { return state_ == State::kPending; }
 
@@ -78,6 +83,8 @@ class ParamGroup {
   enum class State { kSharded, kPending, kUnsharded };
 
   CommHandle issue_all_gather();
+  // A pending unshard that installs outputs[i] into params_[i] once gathers are done.
+  CommHandle install_when_done(std::vector<at::Tensor> outputs, std::vector<CommHandle> gathers);
   void start_replicated_reduce(const ReduceSettings& settings);
 
   struct PendingReduce {
@@ -97,6 +104,8 @@ class ParamGroup {
   bool comm_fusion_;
   State state_ = State::kSharded;
   CommHandle pending_unshard_;
+  GroupPtr post_forward_group_;
+  std::vector<at::Tensor> post_forward_shards_;  // set while resharded to that group
   std::optional<PendingReduce> pending_;
   ReduceBufferStats stats_;
 };

@@ -1,13 +1,14 @@
 // Which modules are fully_shard-ed: module -> state. LibTorch modules have no slot for
 // foreign state and forward calls reach us through Sharded<M>, which knows only the
 // module, so the link lives here. Entries die with their module.
+#include "state_registry.h"
+
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
 
 #include "fsdp_state.h"
 #include "hyperparallel/fully_shard.h"
-#include "state_registry.h"
 
 namespace hp::detail {
 namespace {

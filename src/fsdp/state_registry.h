@@ -1,8 +1,8 @@
 #pragma once
 
-#include <memory>
-
 #include <torch/nn/module.h>
+
+#include <memory>
 
 namespace hp::detail {
 

@@ -117,7 +117,17 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   return world;
 }
 
+GroupPtr World::find_group(const std::string& name) const {
+  auto found = groups_.find(name);
+  return found == groups_.end() ? nullptr : found->second;
+}
+
 GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
+  if (groups_.count(name)) {
+    throw std::invalid_argument("a group named '" + name +
+                                "' already exists; group names identify rendezvous and "
+                                "must be unique");
+  }
   std::sort(ranks.begin(), ranks.end());
   if (ranks.empty() || std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() ||
       ranks.front() < 0 || ranks.back() >= size_) {
@@ -149,8 +159,8 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
     }
 #endif
   }
-  return std::make_shared<Group>(name, std::move(ranks), rank_in_group, std::move(cpu),
-                                 std::move(cuda));
+  return groups_[name] = std::make_shared<Group>(name, std::move(ranks), rank_in_group,
+                                                 std::move(cpu), std::move(cuda));
 }
 
 std::shared_ptr<World> default_world() {
