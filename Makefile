@@ -15,7 +15,7 @@ build:
 	$(RUN) cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	$(RUN) $(BUILD)/hp-run -n 4 --timeout 300 -- $(BUILD)/examples/collectives_check
+	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_ARGS)
 
 test: build
 	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)

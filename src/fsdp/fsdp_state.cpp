@@ -55,6 +55,16 @@ void FSDPState::set_gradient_divide_factor(double factor) {
   divide_factor_ = factor;
 }
 
+void FSDPState::set_is_last_backward(bool value) {
+  if (initialized() && !is_root()) {
+    throw std::logic_error(
+        "set_is_last_backward applies to the root (the outermost "
+        "fully_shard-ed module of the forward); call it there");
+  }
+  is_last_backward_ = value;
+  is_last_backward_set_ = true;
+}
+
 void FSDPState::set_forward_prefetch(std::vector<StatePtr> states) {
   forward_prefetch_.assign(states.begin(), states.end());
 }
@@ -75,11 +85,19 @@ ReduceSettings FSDPState::reduce_settings() const {
 }
 
 void FSDPState::lazy_init_as_root() {
-  auto self = shared_from_this();
+  std::vector<StatePtr> driven;
   for (const StatePtr& state : subtree_()) {
     // A state already driven by another root keeps it (it is used standalone).
     if (state.get() != this && state->initialized() && !state->is_root()) continue;
-    state->root_ = self;
+    if (state.get() != this && state->is_last_backward_set_) {
+      throw std::logic_error(
+          "set_is_last_backward was called on a module that turned out not "
+          "to be the root; call it on the root module");
+    }
+    driven.push_back(state);
+  }
+  for (const StatePtr& state : driven) {
+    state->root_ = weak_from_this();
     tree_.push_back(state);
   }
 }
@@ -87,8 +105,8 @@ void FSDPState::lazy_init_as_root() {
 void FSDPState::finish_pending_reductions() { group_->finish_reduce(); }
 
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
-  if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
   if (!initialized()) lazy_init_as_root();
+  if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
   if (is_root()) {
     for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
     // Reductions left pending by a backward with set_is_last_backward(false) finish

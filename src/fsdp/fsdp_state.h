@@ -50,7 +50,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void set_reshard_after_backward(bool value) { reshard_after_backward_ = value; }
   void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
   void set_requires_all_reduce(bool value) { requires_all_reduce_ = value; }
-  void set_is_last_backward(bool value) { is_last_backward_ = value; }
+  // Only meaningful on the root: it decides whether the end of backward waits for the
+  // gradient reductions.
+  void set_is_last_backward(bool value);
   void set_reduce_op(ReduceOp op);
   void set_gradient_divide_factor(double factor);
   void set_forward_prefetch(std::vector<StatePtr> states);
@@ -73,6 +75,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool requires_gradient_sync_ = true;
   bool requires_all_reduce_ = true;
   bool is_last_backward_ = true;
+  bool is_last_backward_set_ = false;
   ReduceOp reduce_op_ = ReduceOp::kAvg;
   std::optional<double> divide_factor_;
   std::function<std::vector<StatePtr>()> subtree_;

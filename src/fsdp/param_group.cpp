@@ -155,7 +155,10 @@ CommHandle ParamGroup::install_when_done(std::vector<at::Tensor> outputs,
 
 void ParamGroup::stash_replicated_grads() {
   for (auto& rp : replicated_) {
-    if (rp.variable.grad().defined()) rp.variable.mutable_grad() = at::Tensor();
+    // The variable's gradient is what the user last saw (an optimizer's zero_grad may
+    // have cleared it): that, not an older copy, is what new gradients add to.
+    rp.reduced_grad = rp.variable.grad();
+    rp.variable.mutable_grad() = at::Tensor();
   }
 }
 

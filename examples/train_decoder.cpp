@@ -1,0 +1,389 @@
+// Trains the decoder-only transformer of models/transformer.h with fully_shard (HSDP on
+// a 2x2 mesh by default) on a synthetic copy task: the second half of every sequence
+// repeats the first half, so those next tokens are predictable only by attending back
+// half a sequence. Loss and accuracy count the predictable positions only; chance
+// accuracy is 1/vocab. Exits 0 only if the loss fell below half its first value.
+//   hp-run -n 4 -- build/examples/train_decoder [--steps N] [--mesh RxS] ... (--help)
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/fully_shard.h"
+#include "hyperparallel/process_group.h"
+#include "models/transformer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage =
+    "usage: hp-run -n 4 -- train_decoder [options]\n"
+    "\n"
+    "Trains a small decoder-only transformer with fully_shard on a copy task (the second\n"
+    "half of each sequence repeats the first). Exits 0 if the loss fell below half of its\n"
+    "first value, 1 otherwise.\n"
+    "\n"
+    "options:\n"
+    "  --steps N        optimizer steps (default 300)\n"
+    "  --batch N        global batch in sequences, divisible by the number of ranks (32)\n"
+    "  --seq N          sequence length, even, >= 4 (32)\n"
+    "  --dim N          model width (64)\n"
+    "  --layers N       decoder blocks (2)\n"
+    "  --heads N        attention heads, must divide --dim (4)\n"
+    "  --vocab N        vocabulary size, >= 2 (64)\n"
+    "  --lr X           AdamW learning rate (3e-3)\n"
+    "  --mesh RxS       R replicas x S shards = number of ranks; R=1 is plain FSDP (2x2)\n"
+    "  --mp none|bf16   bf16: parameters gathered and used in bf16, gradients reduced in\n"
+    "                   fp32 (none)\n"
+    "  --comm-fusion    one all-gather / reduce-scatter per module instead of per parameter\n"
+    "  --seed N         model initialization and data (0)\n"
+    "  -h, --help       show this help\n";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  int64_t steps = 300;
+  int64_t batch = 32;
+  int64_t seq = 32;
+  int64_t dim = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t vocab = 64;
+  double lr = 3e-3;
+  int64_t replicate = 2;
+  int64_t shard = 2;
+  bool bf16 = false;
+  bool comm_fusion = false;
+  int64_t seed = 0;
+  bool help = false;
+};
+
+int64_t parse_int(std::string_view flag, std::string_view text, int64_t min, int64_t max) {
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < min || value > max) {
+    throw UsageError(std::string(flag) + " needs an integer in " + std::to_string(min) + ".." +
+                     std::to_string(max) + ", got '" + std::string(text) + "'");
+  }
+  return value;
+}
+
+double parse_positive(std::string_view flag, std::string_view text) {
+  double value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || !(value > 0) ||
+      !std::isfinite(value)) {
+    throw UsageError(std::string(flag) + " needs a positive number, got '" + std::string(text) +
+                     "'");
+  }
+  return value;
+}
+
+// "RxS", e.g. "2x2" or "1x4".
+std::pair<int64_t, int64_t> parse_mesh(std::string_view text) {
+  const size_t x = text.find('x');
+  if (x == std::string_view::npos) {
+    throw UsageError("--mesh needs RxS (replicas x shards, e.g. 2x2 or 1x4), got '" +
+                     std::string(text) + "'");
+  }
+  return {parse_int("--mesh R", text.substr(0, x), 1, 1 << 16),
+          parse_int("--mesh S", text.substr(x + 1), 1, 1 << 16)};
+}
+
+// Accepts "--flag value" and "--flag=value".
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    std::optional<std::string_view> inline_value;
+    if (const size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+      inline_value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    }
+    auto value = [&]() -> std::string_view {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "-h" || arg == "--help") {
+      o.help = true;
+    } else if (arg == "--comm-fusion") {
+      if (inline_value) throw UsageError("--comm-fusion takes no value");
+      o.comm_fusion = true;
+    } else if (arg == "--steps") {
+      o.steps = parse_int(arg, value(), 1, 1'000'000);
+    } else if (arg == "--batch") {
+      o.batch = parse_int(arg, value(), 1, 1 << 20);
+    } else if (arg == "--seq") {
+      o.seq = parse_int(arg, value(), 4, 1 << 16);
+    } else if (arg == "--dim") {
+      o.dim = parse_int(arg, value(), 1, 1 << 16);
+    } else if (arg == "--layers") {
+      o.layers = parse_int(arg, value(), 1, 1024);
+    } else if (arg == "--heads") {
+      o.heads = parse_int(arg, value(), 1, 1 << 16);
+    } else if (arg == "--vocab") {
+      o.vocab = parse_int(arg, value(), 2, 1 << 24);
+    } else if (arg == "--lr") {
+      o.lr = parse_positive(arg, value());
+    } else if (arg == "--mesh") {
+      std::tie(o.replicate, o.shard) = parse_mesh(value());
+    } else if (arg == "--mp") {
+      const std::string_view mp = value();
+      if (mp != "none" && mp != "bf16") {
+        throw UsageError("--mp needs none or bf16, got '" + std::string(mp) + "'");
+      }
+      o.bf16 = mp == "bf16";
+    } else if (arg == "--seed") {
+      o.seed = parse_int(arg, value(), 0, int64_t{1} << 40);
+    } else {
+      throw UsageError("unknown option '" + std::string(argv[i]) + "'");
+    }
+  }
+  if (o.seq % 2 != 0) throw UsageError("--seq must be even, got " + std::to_string(o.seq));
+  if (o.dim % o.heads != 0) {
+    throw UsageError("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
+                     std::to_string(o.dim) + ")");
+  }
+  return o;
+}
+
+// One data-parallel rank's sequences of a step. The global batch depends only on the
+// seed and the step, so every mesh shape trains on the same data.
+struct Batch {
+  at::Tensor input;   // [b, seq - 1]
+  at::Tensor target;  // [b, seq - 1]: input shifted by one
+};
+
+Batch make_batch(const Options& o, int64_t step, int64_t rank, int64_t ranks) {
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(o.seed) * 1'000'003 +
+                                                     static_cast<uint64_t>(step));
+  at::Tensor half = torch::randint(o.vocab, {o.batch, o.seq / 2}, gen, torch::kLong);
+  at::Tensor mine = torch::cat({half, half}, 1).chunk(ranks, 0)[rank];
+  return {mine.narrow(1, 0, o.seq - 1), mine.narrow(1, 1, o.seq - 1)};
+}
+
+// Targets from index seq/2 - 1 on are copies of earlier tokens.
+at::Tensor predictable(const at::Tensor& t, int64_t seq) {
+  return t.narrow(1, seq / 2 - 1, seq / 2);
+}
+
+// Peak resident set size of this process (VmHWM), in MiB.
+double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.starts_with("VmHWM:")) return std::atof(line.c_str() + 6) / 1024.0;
+  }
+  return 0;
+}
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+int64_t numel_of(const std::vector<at::Tensor>& params) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+int train(const Options& o) {
+  std::shared_ptr<hp::World> world = hp::default_world();
+  const hp::Group& all = *world->world_group();
+  const int64_t ranks = world->size(), rank = world->rank();
+  if (o.replicate * o.shard != ranks) {
+    throw UsageError("--mesh " + std::to_string(o.replicate) + "x" + std::to_string(o.shard) +
+                     " needs " + std::to_string(o.replicate * o.shard) + " ranks, this run has " +
+                     std::to_string(ranks) + " (use hp-run -n " +
+                     std::to_string(o.replicate * o.shard) + ", or --mesh 1x" +
+                     std::to_string(ranks) + ")");
+  }
+  if (o.batch % ranks != 0) {
+    throw UsageError("--batch " + std::to_string(o.batch) + " is not divisible by the " +
+                     std::to_string(ranks) + " data-parallel ranks");
+  }
+
+  hp::models::TransformerConfig config;
+  config.vocab = o.vocab;
+  config.dim = o.dim;
+  config.heads = o.heads;
+  config.layers = o.layers;
+  config.ffn_hidden = 4 * o.dim;
+  config.max_seq = o.seq;
+  torch::manual_seed(o.seed);  // the same initial model on every rank
+  hp::Sharded<hp::models::Transformer> model(config);
+  const int64_t full_params = numel_of(model->parameters());
+
+  hp::FullyShardOptions options;
+  options.mesh =
+      o.replicate == 1
+          ? hp::DeviceMesh(world, {{"dp_shard", o.shard}})
+          : hp::DeviceMesh(world, {{"dp_replicate", o.replicate}, {"dp_shard", o.shard}});
+  if (o.bf16) {
+    options.mp_policy.param_dtype = at::kBFloat16;
+    options.mp_policy.reduce_dtype = at::kFloat;
+  }
+  options.comm_fusion = o.comm_fusion;
+  for (auto& layer : model->layers) hp::fully_shard(layer, options);
+  hp::fully_shard(model, options);
+  const int64_t local_params = numel_of(model->parameters());
+  const std::string mesh_text = o.replicate == 1
+                                    ? "dp_shard=" + std::to_string(o.shard) + " (FSDP)"
+                                    : "dp_replicate=" + std::to_string(o.replicate) +
+                                          " x dp_shard=" + std::to_string(o.shard) + " (HSDP)";
+
+  if (rank == 0) {
+    std::printf("train_decoder: copy task (2nd half of each sequence repeats the 1st)\n");
+    std::printf("  ranks %lld, mesh %s\n", static_cast<long long>(ranks), mesh_text.c_str());
+    std::printf("  model vocab %lld, dim %lld, heads %lld, layers %lld, ffn %lld, seq %lld\n",
+                static_cast<long long>(o.vocab), static_cast<long long>(o.dim),
+                static_cast<long long>(o.heads), static_cast<long long>(o.layers),
+                static_cast<long long>(config.ffn_hidden), static_cast<long long>(o.seq));
+    std::printf("  parameters %s full, %s on rank 0 (sharded)\n", with_commas(full_params).c_str(),
+                with_commas(local_params).c_str());
+    std::printf(
+        "  %lld steps, global batch %lld (%lld per rank), AdamW lr %g, mp %s, "
+        "comm fusion %s, seed %lld\n\n",
+        static_cast<long long>(o.steps), static_cast<long long>(o.batch),
+        static_cast<long long>(o.batch / ranks), o.lr, o.bf16 ? "bf16" : "none",
+        o.comm_fusion ? "on" : "off", static_cast<long long>(o.seed));
+    std::fflush(stdout);
+  }
+
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
+  const bool tty = isatty(STDOUT_FILENO) == 1;
+  const int64_t print_every = tty ? 1 : std::max<int64_t>(1, o.steps / 20);
+  const int64_t tokens_per_step = o.batch * (o.seq - 1);
+  std::vector<double> losses, accuracies;
+  const auto start = Clock::now();
+  auto last_report = start;
+  int64_t last_report_step = 0;
+
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    Batch batch = make_batch(o, step, rank, ranks);
+    optimizer.zero_grad();
+    at::Tensor logits = predictable(model(batch.input), o.seq).to(at::kFloat);
+    at::Tensor target = predictable(batch.target, o.seq);
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, o.vocab}), target.reshape(-1));
+    loss.backward();
+    optimizer.step();
+
+    at::Tensor stats =
+        torch::stack({loss.detach(), (logits.argmax(-1) == target).to(at::kFloat).mean()});
+    hp::all_reduce(stats, hp::ReduceOp::kAvg, all).wait();
+    at::Tensor rss = torch::full({1}, peak_rss_mib(), torch::kFloat);
+    at::Tensor all_rss = torch::empty({ranks}, torch::kFloat);
+    hp::all_gather(all_rss, rss, all).wait();
+    losses.push_back(stats[0].item<double>());
+    accuracies.push_back(stats[1].item<double>());
+
+    if (rank != 0 || (step % print_every != 0 && step != o.steps)) continue;
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - last_report).count();
+    const double tokens_per_s = (step - last_report_step) * tokens_per_step / seconds;
+    last_report = now;
+    last_report_step = step;
+    const int64_t max_rank = all_rss.argmax().item<int64_t>();
+    char line[256];
+    std::snprintf(line, sizeof(line),
+                  "step %5lld/%lld  loss %.4f  acc %5.1f%%  %7.0f tok/s  peak RSS %.0f MiB "
+                  "(max, rank %lld)",
+                  static_cast<long long>(step), static_cast<long long>(o.steps), losses.back(),
+                  100 * accuracies.back(), tokens_per_s, all_rss[max_rank].item<double>(),
+                  static_cast<long long>(max_rank));
+    if (tty) {
+      constexpr int kWidth = 24;
+      const int filled = static_cast<int>(kWidth * step / o.steps);
+      std::printf("\r[%s%s] %s", std::string(filled, '#').c_str(),
+                  std::string(kWidth - filled, '.').c_str(), line);
+      if (step == o.steps) std::printf("\n");
+    } else {
+      std::printf("%s\n", line);
+    }
+    std::fflush(stdout);
+  }
+
+  // The last steps' mean: one step's loss on a fresh batch is noisy.
+  const size_t tail = std::min<size_t>(10, losses.size());
+  auto tail_mean = [&](const std::vector<double>& v) {
+    double sum = 0;
+    for (size_t i = v.size() - tail; i < v.size(); ++i) sum += v[i];
+    return sum / tail;
+  };
+  const double first = losses.front(), final_loss = tail_mean(losses);
+  const double final_acc = tail_mean(accuracies);
+  const bool learned = final_loss < 0.5 * first;
+  if (rank == 0) {
+    const double total = std::chrono::duration<double>(Clock::now() - start).count();
+    std::printf(
+        "\nloss %.4f -> %.4f (mean of the last %zu steps), accuracy %.1f%% (chance "
+        "%.1f%%), %lld steps in %.1f s\n",
+        first, final_loss, tail, 100 * final_acc, 100.0 / o.vocab, static_cast<long long>(o.steps),
+        total);
+    if (learned) {
+      std::printf("OK: the loss fell below half of its first value\n");
+    } else {
+      std::printf(
+          "FAILED: the loss did not fall below half of its first value (%.4f); try "
+          "more --steps or another --lr\n",
+          0.5 * first);
+    }
+  }
+  return learned ? 0 : 1;
+}
+
+// Before the world is joined: only rank 0 (or a plain single process) prints.
+bool is_rank0() {
+  const char* rank = std::getenv("RANK");
+  return rank == nullptr || std::string_view(rank) == "0";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);  // ranks share the machine's cores
+  try {
+    const Options options = parse_args(argc, argv);
+    if (options.help) {
+      if (is_rank0()) std::printf("%s", kUsage);
+      return 0;
+    }
+    return train(options);
+  } catch (const UsageError& error) {
+    if (is_rank0()) {
+      std::fprintf(stderr, "train_decoder: %s (see --help)\n", error.what());
+    } else {
+      // Every rank fails the same way; the launcher stops all ranks at the first exit,
+      // so the others leave rank 0 the time to print the reason.
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+    }
+    return 2;
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "train_decoder: error: %s\n", error.what());
+    return 1;
+  }
+}
