@@ -1,0 +1,135 @@
+// Training-loop features of fully_shard against the single-process reference:
+// gradient accumulation without sync (L2-01), frozen parameters (L2-02), CPU offload.
+#include <torch/torch.h>
+
+#include "distributed_test.h"
+#include "fsdp_test_util.h"
+#include "models/mlp.h"
+
+namespace hp {
+namespace {
+
+using models::Mlp;
+
+struct ShardedMlp {
+  Mlp reference{nullptr};
+  Sharded<Mlp> model{nullptr};
+  std::optional<FSDPModule> root;
+  testing::ShardedParts parts;
+
+  // `prepare` runs on both models before sharding (e.g. to freeze parameters).
+  explicit ShardedMlp(FullyShardOptions options = {},
+                      const std::function<void(torch::nn::Module&)>& prepare = {}) {
+    torch::manual_seed(42);
+    reference = Mlp(5, 8, 9, 3, 3);
+    torch::manual_seed(42);
+    model = Sharded<Mlp>(5, 8, 9, 3, 3);
+    if (prepare) {
+      prepare(*reference);
+      prepare(*model);
+    }
+    for (size_t i = 0; i < model->blocks.size(); ++i) {
+      parts.emplace_back("blocks." + std::to_string(i) + ".",
+                         fully_shard(model->blocks[i], options));
+    }
+    root = fully_shard(model, options);
+    parts.emplace_back("", *root);
+  }
+
+  // This rank's loss on its share of batch `seed`; the reference runs the whole batch
+  // with the loss scaled by `reference_scale`.
+  at::Tensor loss(int64_t seed, double reference_scale = 1.0) {
+    torch::manual_seed(seed);
+    at::Tensor x = torch::randn({8, 5}), y = torch::randn({8, 3});
+    (torch::mse_loss(reference(x), y) * reference_scale).backward();
+    auto world = testing::world();
+    return torch::mse_loss(model(testing::local_batch(x, world->rank(), world->size())),
+                           testing::local_batch(y, world->rank(), world->size()));
+  }
+};
+
+// L2-01: N micro-steps with gradient sync off, then one with it on, equal one large
+// batch; no sharded gradient exists before the synchronising backward.
+HP_DIST_TEST(FullyShardTraining, L2_01_GradientAccumulation, 2) {
+  ShardedMlp f;
+  const int micro_steps = 4;
+  f.root->set_requires_gradient_sync(false);
+  for (int step = 0; step < micro_steps; ++step) {
+    if (step == micro_steps - 1) f.root->set_requires_gradient_sync(true);
+    // The large-batch loss is the mean over micro-batches.
+    (f.loss(step, 1.0 / micro_steps) / micro_steps).backward();
+    if (step < micro_steps - 1) {
+      for (const auto& p : f.model->parameters()) {
+        ASSERT_FALSE(p.grad().defined()) << "a gradient was reduced while sync was off";
+      }
+    }
+  }
+  testing::expect_all_close(testing::full_grads(f.parts), testing::reference_grads(*f.reference),
+                            1e-5, "accumulated grad");
+}
+
+// L2-02: frozen parameters get no gradient, keep their data, and are never reduced;
+// the others match the reference.
+HP_DIST_TEST(FullyShardTraining, L2_02_FrozenParamsMixedTraining, 2) {
+  auto freeze = [](torch::nn::Module& m) {
+    for (auto& item : m.named_parameters()) {
+      if (item.key().rfind("blocks.1.", 0) == 0 || item.key() == "input.weight") {
+        item.value().set_requires_grad(false);
+      }
+    }
+  };
+  ShardedMlp f({}, freeze);
+  const auto before = testing::full_params(f.parts);
+  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    f.loss(step).backward();
+    auto grads = testing::full_grads(f.parts);
+    testing::expect_all_close(grads, testing::reference_grads(*f.reference), 1e-5, "grad");
+    EXPECT_FALSE(grads["blocks.1.fc1.weight"].defined());
+    EXPECT_FALSE(grads["input.weight"].defined());
+    opt.step();
+    ref_opt.step();
+  }
+  const auto after = testing::full_params(f.parts);
+  EXPECT_TRUE(torch::equal(after.at("blocks.1.fc2.bias"), before.at("blocks.1.fc2.bias")));
+  EXPECT_TRUE(torch::equal(after.at("input.weight"), before.at("input.weight")));
+  testing::expect_all_close(after, testing::reference_params(*f.reference), 1e-5, "param");
+  // Block 1 is wholly frozen: its reduction never ran.
+  const auto stats = f.parts[1].second.reduce_buffer_stats();
+  EXPECT_EQ(stats.freed_owned + stats.kept_aliased, 0);
+  const auto block0 = f.parts[0].second.reduce_buffer_stats();
+  EXPECT_EQ(block0.freed_owned + block0.kept_aliased, 2 * 4) << "4 params, 2 steps";
+}
+
+// offload_policy on a CPU-only host: shards, gradients and so optimizer state live in
+// host memory (pinning needs CUDA, so nothing is pinned), and training is unchanged.
+HP_DIST_TEST(FullyShardTraining, OffloadKeepsShardsOnHostAndTrainsTheSame, 2) {
+  FullyShardOptions options;
+  options.offload_policy.offload = true;
+  options.offload_policy.pin_memory = true;
+  ShardedMlp f(options);
+  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    f.loss(step).backward();
+    for (const auto& p : f.model->parameters()) {
+      EXPECT_TRUE(p.device().is_cpu());
+      EXPECT_FALSE(p.is_pinned());
+      EXPECT_TRUE(p.grad().device().is_cpu());
+    }
+    testing::expect_all_close(testing::full_grads(f.parts), testing::reference_grads(*f.reference),
+                              1e-5, "grad");
+    opt.step();
+    ref_opt.step();
+  }
+  testing::expect_all_close(testing::full_params(f.parts), testing::reference_params(*f.reference),
+                            1e-5, "param");
+}
+
+}  // namespace
+}  // namespace hp
