@@ -45,6 +45,9 @@ HP_DIST_TEST(FullyShardErrors, BadInputIsExplained, 2) {
   options.reshard_after_forward = int64_t{3};
   EXPECT_ERROR(fully_shard(model->blocks[0], options), "must divide the shard group size 2");
 
+  // A mesh must match the process group world it is built over.
+  EXPECT_ERROR(DeviceMesh(world, {{"dp_shard", 3}}), "has 3 ranks but the world has 2");
+
   options = {};
   options.mesh = DeviceMesh(world, {{"a", 1}, {"b", 1}, {"c", 2}});
   EXPECT_ERROR(fully_shard(model->blocks[0], options), "1-D mesh (FSDP) or a 2-D mesh");

@@ -188,6 +188,14 @@ HP_DIST_TEST(FullyShardModule, L1_03_SetReduceOpType, 2) {
     testing::expect_all_close(testing::full_params(f.parts),
                               testing::reference_params(*f.reference), 1e-5, "param");
   }
+  // A custom divide factor replaces the op's division: sum over 2 ranks, divided by 8.
+  f.root->set_gradient_divide_factor(8.0);
+  f.root->zero_grad();
+  f.reference->zero_grad();
+  f.loss(3, /*reference_too=*/true).backward();
+  auto expected = testing::reference_grads(*f.reference);
+  for (auto& [name, grad] : expected) grad = grad * world / 8.0;
+  testing::expect_all_close(testing::full_grads(f.parts), expected, 1e-5, "grad / 8");
 }
 
 // --- L1-04 -----------------------------------------------------------------------------
