@@ -18,7 +18,8 @@ using models::Mlp;
 using models::MlpBlock;
 
 DeviceMesh replicate_only_mesh() {
-  return DeviceMesh(testing::world(), {{"dp_replicate", testing::world()->size()}, {"dp_shard", 1}});
+  return DeviceMesh(testing::world(),
+                    {{"dp_replicate", testing::world()->size()}, {"dp_shard", 1}});
 }
 
 HP_DIST_TEST(Seed000, SizeOneAsyncUnshardDefersMaterialisation, 2) {
@@ -135,11 +136,11 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
     std::vector<std::unique_ptr<detail::FSDPParam>> params;
     params.push_back(std::make_unique<detail::FSDPParam>("w", variable, 0, world->size(),
                                                          world->rank(), policy));
-    detail::GroupComm comm{world, world->world_group(),
-                           world->new_group("self" + c10::str(c.shape, c.reduce_dtype) +
-                                                std::to_string(world->rank()),
-                                            {world->rank()}),
-                           world->world_group()};
+    detail::GroupComm comm{
+        world, world->world_group(), world->world_group(),
+        world->new_group("self" + c10::str(c.shape, c.reduce_dtype) + std::to_string(world->rank()),
+                         {world->rank()}),
+        world->world_group()};
     detail::ParamGroup group(std::move(params), {}, comm, /*comm_fusion=*/false);
     group.unshard(/*async=*/false);
 

@@ -89,6 +89,10 @@ class FSDPModule {
   void set_is_last_backward(bool value);
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // Modules without explicit prefetch lists prefetch implicitly (default on): in
+  // forward the module that followed them in the previous iteration, in backward the
+  // one that preceded them in this iteration's forward. Set on the root.
+  void set_implicit_prefetch(bool value);
   // "avg" (default: divide by the data-parallel size) or "sum".
   void set_reduce_op_type(const std::string& op);
   // Divide reduced gradients by this instead (overrides the reduce op's division).

@@ -78,6 +78,8 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
   state_->set_backward_prefetch(std::move(states));
 }
 
+void FSDPModule::set_implicit_prefetch(bool value) { state_->set_implicit_prefetch(value); }
+
 void FSDPModule::set_reduce_op_type(const std::string& op) {
   const ReduceOp parsed = parse_reduce_op(op);
   for (auto& s : state_->subtree()) s->set_reduce_op(parsed);

@@ -104,17 +104,49 @@ void FSDPState::lazy_init_as_root() {
 
 void FSDPState::finish_pending_reductions() { group_->finish_reduce(); }
 
+FSDPState* FSDPState::implicit_forward_prefetch_target() {
+  auto root = root_.lock();
+  if (!root || !root->implicit_prefetch_) return nullptr;
+  // The module that ran after this one in the previous forward.
+  const auto& order = root->previous_forward_order_;
+  for (size_t i = 0; i + 1 < order.size(); ++i) {
+    if (order[i].lock().get() == this) return order[i + 1].lock().get();
+  }
+  return nullptr;
+}
+
+FSDPState* FSDPState::implicit_backward_prefetch_target() {
+  auto root = root_.lock();
+  if (!root || !root->implicit_prefetch_) return nullptr;
+  // Backward runs modules in reverse forward order: the one before this in forward
+  // is the next in backward (known from this iteration's forward already).
+  const auto& order = root->forward_order_;
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (order[i].lock().get() == this) return order[i - 1].lock().get();
+  }
+  return nullptr;
+}
+
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (!initialized()) lazy_init_as_root();
   if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
-  if (is_root()) {
+  auto root = root_.lock();
+  if (root.get() == this) {
     for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
     // Reductions left pending by a backward with set_is_last_backward(false) finish
     // before parameters are used again.
     for_each_live(tree_, [](FSDPState& s) { s.finish_pending_reductions(); });
+    previous_forward_order_ = std::move(forward_order_);
+    forward_order_.clear();
   }
+  if (root) root->forward_order_.push_back(weak_from_this());
   group_->unshard(/*async=*/false);
-  for_each_live(forward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+  // Forward prefetch: the next module's all-gather runs while this one computes.
+  if (!forward_prefetch_.empty()) {
+    for_each_live(forward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+  } else if (FSDPState* next = implicit_forward_prefetch_target()) {
+    next->group_->unshard(/*async=*/true);
+  }
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
   if (c10::GradMode::is_enabled() && register_post_backward_hook(inputs, weak_from_this())) {
     ++post_backward_hooks_pending_;
@@ -145,7 +177,13 @@ void FSDPState::pre_backward() {
   }
   group_->stash_replicated_grads();
   group_->unshard(/*async=*/false);
-  for_each_live(backward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+  // Backward prefetch: the next module (in backward order) gathers during this
+  // module's backward.
+  if (!backward_prefetch_.empty()) {
+    for_each_live(backward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+  } else if (FSDPState* next = implicit_backward_prefetch_target()) {
+    next->group_->unshard(/*async=*/true);
+  }
 }
 
 void FSDPState::post_backward_hook_fired() {
@@ -158,7 +196,18 @@ void FSDPState::post_backward() {
   if (!in_backward_ || post_backward_done_) return;
   post_backward_done_ = true;
   group_->finish_reduce();  // one left pending by set_is_last_backward(false)
-  group_->start_reduce(reduce_settings());
+  auto root = root_.lock();
+  std::shared_ptr<FSDPState> previous = root ? root->previous_reducer_.lock() : nullptr;
+  // The 4-step pipeline: reduce-scatter (shard dim) of this module and all-reduce
+  // (replicate dim) of the previous one are in flight with the next module's backward
+  // and its all-gather.
+  if (previous) previous->group_->wait_reduce_scatter();  // 1 + 2 (pure FSDP: installed)
+  group_->start_reduce(reduce_settings());                // 3
+  if (previous) previous->group_->start_all_reduce();     // 4
+  if (root && group_->reduce_pending()) {
+    root->previous_reducer_ = weak_from_this();
+    root->reducers_.push_back(weak_from_this());
+  }
   if (reshard_after_backward_) group_->reshard();
 }
 
@@ -167,10 +216,18 @@ void FSDPState::root_post_backward_final_callback() {
   // States whose inputs needed no gradient (the root itself, typically) never saw
   // their post-backward hook fire: run it now.
   for_each_live(tree_, [](FSDPState& s) { s.post_backward(); });
+  if (auto last = previous_reducer_.lock()) last->group_->start_all_reduce();
+  previous_reducer_.reset();
   if (is_last_backward_) {
-    for_each_live(tree_, [](FSDPState& s) { s.finish_pending_reductions(); });
+    // All outstanding all-reduces are waited once, here, in the order they were issued.
+    for_each_live(reducers_, [](FSDPState& s) { s.finish_pending_reductions(); });
   }
-  for_each_live(tree_, [](FSDPState& s) { s.in_backward_ = false; });
+  reducers_.clear();
+  for_each_live(tree_, [](FSDPState& s) {
+    s.in_backward_ = false;
+    // A module prefetched but not run (control flow changed) must not stay gathered.
+    if (s.reshard_after_backward_) s.group_->reshard();
+  });
 }
 
 }  // namespace hp::detail

@@ -53,6 +53,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Only meaningful on the root: it decides whether the end of backward waits for the
   // gradient reductions.
   void set_is_last_backward(bool value);
+  // Prefetch without explicit lists: forward in the previous iteration's order,
+  // backward in the reverse of this iteration's forward order. Read on the root.
+  void set_implicit_prefetch(bool value) { implicit_prefetch_ = value; }
   void set_reduce_op(ReduceOp op);
   void set_gradient_divide_factor(double factor);
   void set_forward_prefetch(std::vector<StatePtr> states);
@@ -65,6 +68,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  private:
   void post_backward();
   void lazy_init_as_root();
+  FSDPState* implicit_forward_prefetch_target();
+  FSDPState* implicit_backward_prefetch_target();
   void root_post_backward_final_callback();
   ReduceSettings reduce_settings() const;
 
@@ -88,7 +93,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool in_backward_ = false;                    // pre-backward ran in the current backward
   bool post_backward_done_ = false;
   int post_backward_hooks_pending_ = 0;  // registered in forward, not yet fired
-  bool final_callback_queued_ = false;   // root only
+  // Root only: the schedule of the whole tree.
+  bool final_callback_queued_ = false;
+  bool implicit_prefetch_ = true;
+  std::vector<std::weak_ptr<FSDPState>> forward_order_;           // this iteration
+  std::vector<std::weak_ptr<FSDPState>> previous_forward_order_;  // the one before
+  std::weak_ptr<FSDPState> previous_reducer_;       // whose reduce-scatter is in flight
+  std::vector<std::weak_ptr<FSDPState>> reducers_;  // reductions issued in this backward
 };
 
 }  // namespace hp::detail

@@ -29,9 +29,17 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   DeviceMesh mesh = requested ? *requested : default_mesh();
   detail::GroupComm comm;
   comm.world = mesh.world();
+  // Reduce-scatters get their own group over the shard ranks, created once per shard
+  // group by every member (in fully_shard order, the same on all ranks).
+  auto reduce_group_of = [&](const GroupPtr& shard) {
+    const std::string name = shard->name() + "/reduce";
+    GroupPtr group = comm.world->find_group(name);
+    return group ? group : comm.world->new_group(name, shard->ranks());
+  };
   const std::vector<std::string> dims = mesh.dim_names();
   if (dims.size() == 1) {
     comm.shard = mesh.group(dims[0]);
+    comm.shard_reduce = reduce_group_of(comm.shard);
     // No replicate dimension: a group of this rank alone (no backend, no rendezvous).
     const std::string self = "self/" + std::to_string(comm.world->rank());
     comm.replicate = comm.world->find_group(self);
@@ -46,6 +54,7 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   }
   comm.replicate = mesh.group(dims[0]);
   comm.shard = mesh.group(dims[1]);
+  comm.shard_reduce = reduce_group_of(comm.shard);
   // The flattened group is created once per mesh, by every rank in the same order (the
   // first fully_shard with this mesh), like the mesh's own groups.
   const std::string flat = dims[0] + "+" + dims[1];

@@ -213,8 +213,8 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
   }
   const at::TensorOptions options = grads.front().options().dtype(dtype);
   r.buffer = at::zeros({total}, options);
-  const Group& shard = *comm_.shard;
-  const int64_t world = shard.size();
+  const Group& reduce = *comm_.shard_reduce;
+  const int64_t world = reduce.size();
   if (comm_fusion_ && world > 1) {
     // One reduce-scatter: rank-major input laid out like the buffer, so its output
     // lands in the buffer as is.
@@ -226,21 +226,21 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
       r.inputs.push_back(std::move(part));
     }
     r.inputs.push_back({input.view(-1), /*owned=*/true});
-    r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, shard));
+    r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, reduce));
     return;
   }
   for (size_t i = 0; i < r.params.size(); ++i) {
     ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
     at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
-    r.reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, shard));
+    r.reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, reduce));
     r.inputs.push_back(std::move(part));
   }
 }
 
-void ParamGroup::finish_reduce() {
-  if (!pending_) return;
-  PendingReduce r = std::move(*pending_);
-  pending_.reset();
+void ParamGroup::wait_reduce_scatter() {
+  if (!pending_ || pending_->reduce_scatters_done) return;
+  PendingReduce& r = *pending_;
+  r.reduce_scatters_done = true;
   for (auto& handle : r.reduce_scatters) handle.wait();
   // Seed 002: only what this library allocated is freed; a view of the caller's
   // gradient is merely dropped.
@@ -253,29 +253,50 @@ void ParamGroup::finish_reduce() {
     }
   }
   r.inputs.clear();
-  const double factor = r.settings.divide_factor;
-  if (!r.params.empty()) {
-    if (factor != 1.0) r.buffer.div_(factor);
-    const bool has_replicas = comm_.replicate->size() > 1;
-    const bool all_reduce_now = has_replicas && r.settings.all_reduce;
-    if (all_reduce_now) {
-      for (size_t i = 0; i < r.params.size(); ++i) {
-        at::Tensor partial = r.params[i]->take_partial_grad(r.buffer.scalar_type());
-        if (partial.defined()) {
-          r.buffer.narrow(0, r.offsets[i], partial.numel()).add_(partial);
-        }
-      }
-      all_reduce(r.buffer, ReduceOp::kSum, *comm_.replicate).wait();
-    }
-    for (size_t i = 0; i < r.params.size(); ++i) {
-      at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
-      r.params[i]->accumulate_sharded_grad(slot, has_replicas && !all_reduce_now);
-    }
+  if (r.params.empty()) return;
+  // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
+  // same scale as complete ones.
+  if (r.settings.divide_factor != 1.0) r.buffer.div_(r.settings.divide_factor);
+  const bool has_replicas = comm_.replicate->size() > 1;
+  if (!has_replicas || !r.settings.all_reduce) {
+    r.partial = has_replicas;
+    install_sharded_grads(r);
   }
+}
+
+void ParamGroup::start_all_reduce() {
+  wait_reduce_scatter();
+  if (!pending_ || pending_->all_reduce_started) return;
+  PendingReduce& r = *pending_;
+  r.all_reduce_started = true;
+  if (r.params.empty()) return;  // installed already: nothing to all-reduce
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    at::Tensor partial = r.params[i]->take_partial_grad(r.buffer.scalar_type());
+    if (partial.defined()) r.buffer.narrow(0, r.offsets[i], partial.numel()).add_(partial);
+  }
+  // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
+  r.all_reduce = all_reduce(r.buffer, ReduceOp::kSum, *comm_.replicate);
+}
+
+void ParamGroup::install_sharded_grads(PendingReduce& r) {
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
+    r.params[i]->accumulate_sharded_grad(slot, r.partial);
+  }
+  r.params.clear();
+}
+
+void ParamGroup::finish_reduce() {
+  if (!pending_) return;
+  start_all_reduce();
+  PendingReduce r = std::move(*pending_);
+  pending_.reset();
+  r.all_reduce.wait();
+  install_sharded_grads(r);
   for (size_t i = 0; i < r.replicated.size(); ++i) {
     r.replicated_all_reduces[i].wait();
     auto& [rp, grad] = r.replicated[i];
-    if (factor != 1.0) grad.div_(factor);
+    if (r.settings.divide_factor != 1.0) grad.div_(r.settings.divide_factor);
     rp->reduced_grad = rp->reduced_grad.defined() ? rp->reduced_grad.add_(grad) : grad;
     rp->variable.mutable_grad() = rp->reduced_grad;
   }

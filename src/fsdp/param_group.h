@@ -21,9 +21,12 @@
 
 namespace hp::detail {
 
+// Process groups of one fully_shard call. All-gather, reduce-scatter and all-reduce
+// each have their own group, so that all three can be in flight at once.
 struct GroupComm {
   std::shared_ptr<World> world;
-  GroupPtr shard;          // the shard dimension (may have one rank)
+  GroupPtr shard;          // the shard dimension (may have one rank): all-gathers
+  GroupPtr shard_reduce;   // the same ranks: reduce-scatters
   GroupPtr replicate;      // the replicate dimension (one rank for 1-D FSDP)
   GroupPtr data_parallel;  // replicate x shard, for replicated parameters
 };
@@ -68,13 +71,20 @@ class ParamGroup {
   // Called before backward accumulates into replicated parameters: sets aside their
   // already reduced gradient so the new one can be told apart.
   void stash_replicated_grads();
-  // Takes the unsharded gradients out of the parameters. With sync off they are kept
-  // for later; with sync on the reduce-scatters are issued (asynchronously).
+  // Gradient reduction runs in steps so that the backward pipeline can interleave
+  // them across modules (see FSDPState::post_backward):
+  // 1. Takes the unsharded gradients out of the parameters. With sync off they are kept
+  //    for later; with sync on the reduce-scatters are issued (asynchronously).
   void start_reduce(const ReduceSettings& settings);
-  bool reduce_pending() const { return pending_.has_value(); }
-  // Waits for the reduce-scatters, runs the replicate-dim all-reduce and installs the
-  // sharded gradients.
+  // 2. Waits for the reduce-scatters. Without a replicate all-reduce to follow (1-D FSDP
+  //    or all-reduce off) the sharded gradients are installed now.
+  void wait_reduce_scatter();
+  // 3. Issues the fused all-reduce over the replicate dimension (asynchronously).
+  void start_all_reduce();
+  // 4. Waits for the all-reduces and installs the sharded gradients, running any
+  //    earlier step that has not run: finishes whatever is pending.
   void finish_reduce();
+  bool reduce_pending() const { return pending_.has_value(); }
 
   void zero_grad();
   const ReduceBufferStats& reduce_buffer_stats() const { return stats_; }
@@ -96,7 +106,12 @@ class ParamGroup {
     std::vector<CommHandle> reduce_scatters;
     std::vector<std::pair<ReplicatedParam*, at::Tensor>> replicated;  // grads being reduced
     std::vector<CommHandle> replicated_all_reduces;
+    CommHandle all_reduce;  // the fused replicate-dim all-reduce of `buffer`
+    bool partial = false;   // gradients not all-reduced over an existing replicate dim
+    bool reduce_scatters_done = false;
+    bool all_reduce_started = false;
   };
+  void install_sharded_grads(PendingReduce& r);
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   std::vector<ReplicatedParam> replicated_;
