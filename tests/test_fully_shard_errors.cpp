@@ -71,6 +71,11 @@ HP_DIST_TEST(FullyShardErrors, BadInputIsExplained, 2) {
   fresh(torch::randn({2, 5}));
   EXPECT_ERROR(fresh_block.set_is_last_backward(false), "applies to the root");
 
+  // Bottom-up only: a block of an already sharded root is managed by the root.
+  Sharded<Mlp> top_down(5, 8, 9, 3, 1);
+  fully_shard(top_down);
+  EXPECT_ERROR(fully_shard(top_down->blocks[0]), "apply fully_shard to submodules first");
+
   // comm_fusion packs one dtype.
   Sharded<Mlp> mixed(5, 8, 9, 3, 1);
   mixed->input->to(torch::kBFloat16);

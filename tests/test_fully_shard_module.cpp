@@ -245,6 +245,7 @@ HP_DIST_TEST(FullyShardModule, L1_05_ManualReshardUnshardLifecycle, 2) {
 
   CommHandle handle = block.unshard(/*async_op=*/true);
   EXPECT_TRUE(handle.pending());
+  EXPECT_TRUE(handle.has_work()) << "two shard ranks: real all-gathers are in flight";
   EXPECT_EQ(numel_of(module), shard) << "an async unshard installs nothing before wait()";
   handle.wait();
   EXPECT_EQ(numel_of(module), full);

@@ -131,5 +131,76 @@ HP_DIST_TEST(FullyShardTraining, OffloadKeepsShardsOnHostAndTrainsTheSame, 2) {
                             1e-5, "param");
 }
 
+// Clearing gradients the usual way (the optimizer's zero_grad, which sets them to none)
+// works with every gradient path: fp32 main grads, partial HSDP grads, and reductions
+// left in flight by set_is_last_backward(false) (FSDPModule::zero_grad finishes them).
+void expect_grads_match(ShardedMlp& f) {
+  testing::expect_all_close(testing::full_grads(f.parts), testing::reference_grads(*f.reference),
+                            1e-5, "grad");
+}
+
+HP_DIST_TEST(FullyShardTraining, OptimizerZeroGradResetsMainGrad, 2) {
+  FullyShardOptions options;
+  options.mp_policy.apply_grad_on_fp32_main_grad = true;
+  ShardedMlp f(options);
+  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    f.loss(step).backward();
+    expect_grads_match(f);
+    opt.step();
+    ref_opt.step();
+  }
+}
+
+HP_DIST_TEST(FullyShardTraining, OptimizerZeroGradAfterPartialGrads, 4) {
+  FullyShardOptions options;
+  options.mesh = DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}});
+  ShardedMlp f(options);
+  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+  f.root->set_requires_all_reduce(false);
+  f.loss(0).backward();
+  opt.zero_grad();
+  f.reference->zero_grad();
+  f.root->set_requires_all_reduce(true);
+  f.loss(1).backward();
+  expect_grads_match(f);
+}
+
+HP_DIST_TEST(FullyShardTraining, ZeroGradFinishesReductionsInFlight, 2) {
+  ShardedMlp f;
+  f.root->set_is_last_backward(false);
+  f.loss(0).backward();  // reductions stay in flight
+  f.root->zero_grad();
+  f.reference->zero_grad();
+  f.root->set_is_last_backward(true);
+  f.loss(1).backward();
+  expect_grads_match(f);
+}
+
+// An evaluation forward (no grad) between backward and the optimizer step leaves every
+// module sharded, so the step updates all shards and the next forward sees them.
+HP_DIST_TEST(FullyShardTraining, EvalForwardBeforeStep, 2) {
+  ShardedMlp f;
+  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    f.loss(step).backward();
+    {
+      torch::NoGradGuard no_grad;
+      f.model(torch::randn({2, 5}));
+    }
+    for (const auto& part : f.parts) EXPECT_FALSE(part.second.is_unsharded());
+    opt.step();
+    ref_opt.step();
+    testing::expect_all_close(testing::full_params(f.parts),
+                              testing::reference_params(*f.reference), 1e-5, "param");
+  }
+}
+
 }  // namespace
 }  // namespace hp

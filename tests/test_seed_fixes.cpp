@@ -137,7 +137,10 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
     params.push_back(std::make_unique<detail::FSDPParam>("w", variable, 0, world->size(),
                                                          world->rank(), policy));
     detail::GroupComm comm{
-        world, world->world_group(), world->world_group(),
+        world,
+        {"dp_shard"},
+        world->world_group(),
+        world->world_group(),
         world->new_group("self" + c10::str(c.shape, c.reduce_dtype) + std::to_string(world->rank()),
                          {world->rank()}),
         world->world_group()};

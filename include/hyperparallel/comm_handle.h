@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace c10d {
 class Work;
@@ -28,6 +29,9 @@ class CommHandle {
   // No communication; `on_complete` runs once, at the first wait().
   static CommHandle deferred(std::function<void()> on_complete);
 
+  // Several handles as one: wait() waits each part, then runs `on_complete` once.
+  static CommHandle after(std::vector<CommHandle> parts, std::function<void()> on_complete);
+
   // Blocks until the communication finished, then runs the completion callback if it
   // has not run yet. Safe to call any number of times, from copies of the handle too.
   void wait();
@@ -35,7 +39,8 @@ class CommHandle {
   // True until wait() has run to its end: there is work or a callback still to consume.
   bool pending() const;
 
-  // True when the handle stands for an actual collective (not a no-op or deferred one).
+  // True while the handle stands for an actual collective not yet waited for (not a
+  // no-op or deferred one).
   bool has_work() const;
 
  private:

@@ -95,10 +95,7 @@ void FSDPModule::zero_grad() {
 
 std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
   std::vector<ShardedParamInfo> infos;
-  const auto& comm = state_->group().comm();
-  std::vector<std::string> dims;
-  if (comm.replicate->size() > 1) dims.push_back(comm.replicate->name());
-  dims.push_back(comm.shard->name());
+  const std::vector<std::string>& dims = state_->group().comm().dims;
   for (const auto& p : state_->group().params()) {
     infos.push_back({p->name(), p->layout().global_shape, p->layout().local_shape(),
                      Placement::shard(p->layout().dim), dims});

@@ -157,10 +157,11 @@ ReduceScatterInput FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_g
 at::Tensor FSDPParam::take_partial_grad(c10::ScalarType dtype) {
   if (!grad_is_partial_) return {};
   grad_is_partial_ = false;
-  at::Tensor current = policy_.fp32_main_grad ? main_grad_ : sharded_grad();
+  // The parameter's gradient is the partial one, unless someone cleared it since.
+  at::Tensor current = sharded_grad();
   main_grad_ = at::Tensor();
   sharded_grad() = at::Tensor();
-  return pad_local(current, dtype);
+  return current.defined() ? pad_local(current, dtype) : at::Tensor();
 }
 
 at::Tensor FSDPParam::pad_local(const at::Tensor& local, c10::ScalarType dtype) const {
@@ -175,6 +176,7 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
   at::Tensor local = reduced.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
   const at::Device shard_device = padded_shard_.device();
   at::Tensor& grad = sharded_grad();
+  if (!grad.defined()) grad_is_partial_ = false;  // cleared since (optimizer zero_grad)
   if (partial && grad.defined() && !grad_is_partial_) {
     throw std::logic_error(
         "parameter '" + name_ +
@@ -182,6 +184,9 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
         "(false)) would be added to one that was; call zero_grad() before turning all-reduce off");
   }
   if (policy_.fp32_main_grad) {
+    // The main grad is the parameter's gradient; once something else (an optimizer's
+    // zero_grad) cleared or replaced that, accumulation starts afresh.
+    if (!grad.defined() || !grad.is_same(main_grad_)) main_grad_ = at::Tensor();
     if (main_grad_.defined()) {
       main_grad_.add_(local.to(shard_device, at::kFloat));
     } else {

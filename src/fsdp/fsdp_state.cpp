@@ -155,7 +155,11 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
 
 void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (--forward_depth_ > 0) return;
-  if (group_->has_post_forward_group()) {
+  if (!c10::GradMode::is_enabled()) {
+    // No backward follows (evaluation): keeping parameters gathered would only let an
+    // optimizer step in between act on stale copies.
+    group_->reshard();
+  } else if (group_->has_post_forward_group()) {
     group_->reshard_to_post_forward_group();
   } else if (reshard_after_forward()) {
     group_->reshard();

@@ -37,6 +37,7 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
     return group ? group : comm.world->new_group(name, shard->ranks());
   };
   const std::vector<std::string> dims = mesh.dim_names();
+  comm.dims = dims;
   if (dims.size() == 1) {
     comm.shard = mesh.group(dims[0]);
     comm.shard_reduce = reduce_group_of(comm.shard);
@@ -147,6 +148,20 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
     }
     return keys;
   };
+  // Parameters another fully_shard call already manages (an ancestor sharded first).
+  std::set<const c10::TensorImpl*> managed_elsewhere;
+  for (const auto& state : detail::all_states()) {
+    for (const auto& p : state->group().params()) managed_elsewhere.insert(key(p->variable()));
+    for (const auto& r : state->group().replicated()) managed_elsewhere.insert(key(r.variable));
+  }
+  for (const auto& [name, param] : candidates) {
+    if (!taken.count(key(param)) && managed_elsewhere.count(key(param))) {
+      throw std::invalid_argument("parameter '" + name +
+                                  "' is already managed by another fully_shard call (of an "
+                                  "ancestor?); apply fully_shard to submodules first, then to "
+                                  "their ancestors");
+    }
+  }
   const auto ignored = check_belongs(options.ignored_params, "ignored_params");
   const auto replicated = check_belongs(options.replicate_params, "replicate_params");
 

@@ -127,8 +127,7 @@ CommHandle ParamGroup::issue_all_gather() {
   }
   at::Tensor output = at::empty({world * total}, input.options());
   CommHandle gather = all_gather(output, input, group);
-  return CommHandle::deferred([this, input, output, offsets, gather, world, total]() mutable {
-    gather.wait();
+  return CommHandle::after({gather}, [this, input, output, offsets, world, total] {
     if (state_ == State::kPending) {
       at::Tensor by_rank = output.view({world, total});
       for (size_t i = 0; i < params_.size(); ++i) {
@@ -145,8 +144,7 @@ CommHandle ParamGroup::issue_all_gather() {
 
 CommHandle ParamGroup::install_when_done(std::vector<at::Tensor> outputs,
                                          std::vector<CommHandle> gathers) {
-  return CommHandle::deferred([this, outputs, gathers]() mutable {
-    for (auto& gather : gathers) gather.wait();
+  return CommHandle::after(std::move(gathers), [this, outputs] {
     if (state_ != State::kPending) return;
     for (size_t i = 0; i < params_.size(); ++i) params_[i]->install_unsharded(outputs[i]);
     state_ = State::kUnsharded;
@@ -303,6 +301,7 @@ void ParamGroup::finish_reduce() {
 }
 
 void ParamGroup::zero_grad() {
+  finish_reduce();  // a reduction still in flight would land after the clear
   for (auto& p : params_) p->zero_grad();
   for (auto& rp : replicated_) {
     rp.variable.mutable_grad() = at::Tensor();

@@ -25,10 +25,11 @@ namespace hp::detail {
 // each have their own group, so that all three can be in flight at once.
 struct GroupComm {
   std::shared_ptr<World> world;
-  GroupPtr shard;          // the shard dimension (may have one rank): all-gathers
-  GroupPtr shard_reduce;   // the same ranks: reduce-scatters
-  GroupPtr replicate;      // the replicate dimension (one rank for 1-D FSDP)
-  GroupPtr data_parallel;  // replicate x shard, for replicated parameters
+  std::vector<std::string> dims;  // the mesh's dimension names: (replicate,) shard
+  GroupPtr shard;                 // the shard dimension (may have one rank): all-gathers
+  GroupPtr shard_reduce;          // the same ranks: reduce-scatters
+  GroupPtr replicate;             // the replicate dimension (one rank for 1-D FSDP)
+  GroupPtr data_parallel;         // replicate x shard, for replicated parameters
 };
 
 // A parameter that every rank holds in full (replicate_params, or Replicate() from

@@ -42,6 +42,15 @@ void register_state(const std::shared_ptr<torch::nn::Module>& module,
   entries[module.get()] = Entry{module, std::move(state)};
 }
 
+std::vector<std::shared_ptr<FSDPState>> all_states() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::shared_ptr<FSDPState>> states;
+  for (const auto& [module, entry] : registry()) {
+    if (!entry.module.expired()) states.push_back(entry.state);
+  }
+  return states;
+}
+
 std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto found = registry().find(module);

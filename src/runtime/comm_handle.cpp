@@ -6,6 +6,7 @@ namespace hp {
 
 struct CommHandle::State {
   c10::intrusive_ptr<c10d::Work> work;
+  std::vector<CommHandle> parts;
   std::function<void()> on_complete;
   bool done = false;
 };
@@ -23,13 +24,21 @@ CommHandle CommHandle::deferred(std::function<void()> on_complete) {
   return from_work({}, std::move(on_complete));
 }
 
+CommHandle CommHandle::after(std::vector<CommHandle> parts, std::function<void()> on_complete) {
+  CommHandle handle = deferred(std::move(on_complete));
+  handle.state_->parts = std::move(parts);
+  return handle;
+}
+
 void CommHandle::wait() {
   if (!state_ || state_->done) return;
   if (state_->work) state_->work->wait();
+  for (auto& part : state_->parts) part.wait();
   // Mark done before running the callback so a re-entrant wait() cannot run it twice,
   // and drop what the callback captured as soon as it ran.
   state_->done = true;
   state_->work.reset();
+  state_->parts.clear();
   auto callback = std::move(state_->on_complete);
   state_->on_complete = nullptr;
   if (callback) callback();
@@ -37,6 +46,13 @@ void CommHandle::wait() {
 
 bool CommHandle::pending() const { return state_ && !state_->done; }
 
-bool CommHandle::has_work() const { return state_ && state_->work; }
+bool CommHandle::has_work() const {
+  if (!state_ || state_->done) return false;
+  if (state_->work) return true;
+  for (const auto& part : state_->parts) {
+    if (part.has_work()) return true;
+  }
+  return false;
+}
 
 }  // namespace hp
