@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <stdexcept>
@@ -25,6 +26,7 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
+#include "hyperparallel/trace.h"
 #include "models/transformer.h"
 
 namespace {
@@ -52,6 +54,8 @@ constexpr const char* kUsage =
     "                   fp32 (none)\n"
     "  --comm-fusion    one all-gather / reduce-scatter per module instead of per parameter\n"
     "  --seed N         model initialization and data (0)\n"
+    "  --trace DIR      record step 3 of every rank as DIR/trace_rank<R>.json (Chrome trace)\n"
+    "                   and DIR/timeline_rank<R>.svg\n"
     "  -h, --help       show this help\n";
 
 struct UsageError : std::runtime_error {
@@ -72,8 +76,18 @@ struct Options {
   bool bf16 = false;
   bool comm_fusion = false;
   int64_t seed = 0;
+  std::string trace_dir;  // empty: no trace
   bool help = false;
 };
+
+void write_trace(const std::string& dir, int64_t rank,
+                 const std::vector<hp::trace::Event>& events) {
+  std::filesystem::create_directories(dir);
+  const std::string suffix = "_rank" + std::to_string(rank);
+  std::ofstream(dir + "/trace" + suffix + ".json") << hp::trace::to_chrome_json(events, rank);
+  std::ofstream(dir + "/timeline" + suffix + ".svg") << hp::trace::to_svg(
+      events, "train_decoder, one training step, rank " + std::to_string(rank));
+}
 
 int64_t parse_int(std::string_view flag, std::string_view text, int64_t min, int64_t max) {
   int64_t value = 0;
@@ -151,6 +165,8 @@ Options parse_args(int argc, char** argv) {
         throw UsageError("--mp needs none or bf16, got '" + std::string(mp) + "'");
       }
       o.bf16 = mp == "bf16";
+    } else if (arg == "--trace") {
+      o.trace_dir = std::string(value());
     } else if (arg == "--seed") {
       o.seed = parse_int(arg, value(), 0, int64_t{1} << 40);
     } else {
@@ -284,6 +300,9 @@ int train(const Options& o) {
 
   for (int64_t step = 1; step <= o.steps; ++step) {
     Batch batch = make_batch(o, step, rank, ranks);
+    // Step 3: the implicit prefetch order is known and warm-up allocations are done.
+    const bool traced = !o.trace_dir.empty() && step == 3;
+    if (traced) hp::trace::start();
     optimizer.zero_grad();
     at::Tensor logits = predictable(model(batch.input), o.seq).to(at::kFloat);
     at::Tensor target = predictable(batch.target, o.seq);
@@ -291,6 +310,7 @@ int train(const Options& o) {
         torch::nn::functional::cross_entropy(logits.reshape({-1, o.vocab}), target.reshape(-1));
     loss.backward();
     optimizer.step();
+    if (traced) write_trace(o.trace_dir, rank, hp::trace::stop());
 
     at::Tensor stats =
         torch::stack({loss.detach(), (logits.argmax(-1) == target).to(at::kFloat).mean()});

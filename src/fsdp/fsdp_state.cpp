@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "autograd_hooks.h"
+#include "hyperparallel/trace.h"
 
 namespace hp::detail {
 namespace {
@@ -29,7 +30,7 @@ void for_each_live(const std::vector<std::weak_ptr<FSDPState>>& states, Visit vi
 
 FSDPState::FSDPState(std::unique_ptr<ParamGroup> group, MixedPrecisionPolicy mp,
                      std::optional<bool> reshard_after_forward,
-                     std::function<std::vector<StatePtr>()> subtree)
+                     std::function<std::vector<LabeledState>()> subtree)
     : group_(std::move(group)),
       mp_(mp),
       reshard_after_forward_(reshard_after_forward),
@@ -84,9 +85,15 @@ ReduceSettings FSDPState::reduce_settings() const {
   return settings;
 }
 
+std::vector<StatePtr> FSDPState::subtree() const {
+  std::vector<StatePtr> states;
+  for (auto& [label, state] : subtree_()) states.push_back(state);
+  return states;
+}
+
 void FSDPState::lazy_init_as_root() {
-  std::vector<StatePtr> driven;
-  for (const StatePtr& state : subtree_()) {
+  std::vector<LabeledState> driven;
+  for (const auto& [label, state] : subtree_()) {
     // A state already driven by another root keeps it (it is used standalone).
     if (state.get() != this && state->initialized() && !state->is_root()) continue;
     if (state.get() != this && state->is_last_backward_set_) {
@@ -94,10 +101,12 @@ void FSDPState::lazy_init_as_root() {
           "set_is_last_backward was called on a module that turned out not "
           "to be the root; call it on the root module");
     }
-    driven.push_back(state);
+    driven.emplace_back(label, state);
   }
-  for (const StatePtr& state : driven) {
+  for (auto& [label, state] : driven) {
     state->root_ = weak_from_this();
+    state->label_ = state.get() == this ? "root" : label;
+    state->group_->set_label(state->label_);
     tree_.push_back(state);
   }
 }
@@ -119,8 +128,10 @@ FSDPState* FSDPState::implicit_backward_prefetch_target() {
   auto root = root_.lock();
   if (!root || !root->implicit_prefetch_) return nullptr;
   // Backward runs modules in reverse forward order: the one before this in forward
-  // is the next in backward (known from this iteration's forward already).
+  // is the next in backward (known from this iteration's forward already). The root's
+  // backward starts first; the last module of the forward follows it.
   const auto& order = root->forward_order_;
+  if (this == root.get()) return order.empty() ? nullptr : order.back().lock().get();
   for (size_t i = 1; i < order.size(); ++i) {
     if (order[i].lock().get() == this) return order[i - 1].lock().get();
   }
@@ -140,6 +151,7 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
     forward_order_.clear();
   }
   if (root) root->forward_order_.push_back(weak_from_this());
+  trace::record(trace::Kind::kBegin, "forward", label_);
   group_->unshard(/*async=*/false);
   // Forward prefetch: the next module's all-gather runs while this one computes.
   if (!forward_prefetch_.empty()) {
@@ -166,6 +178,7 @@ void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   }
   if (mp_.output_dtype) cast_floating(outputs, *mp_.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs, weak_from_this());
+  trace::record(trace::Kind::kEnd, "forward", label_);
 }
 
 void FSDPState::pre_backward() {
@@ -179,6 +192,7 @@ void FSDPState::pre_backward() {
       if (auto r = weak_root.lock()) r->root_post_backward_final_callback();
     });
   }
+  trace::record(trace::Kind::kBegin, "backward", label_);
   group_->stash_replicated_grads();
   group_->unshard(/*async=*/false);
   // Backward prefetch: the next module (in backward order) gathers during this
@@ -199,6 +213,7 @@ void FSDPState::post_backward() {
   post_backward_hooks_pending_ = 0;
   if (!in_backward_ || post_backward_done_) return;
   post_backward_done_ = true;
+  trace::record(trace::Kind::kEnd, "backward", label_);
   group_->finish_reduce();  // one left pending by set_is_last_backward(false)
   auto root = root_.lock();
   std::shared_ptr<FSDPState> previous = root ? root->previous_reducer_.lock() : nullptr;

@@ -19,6 +19,7 @@ namespace hp::detail {
 
 class FSDPState;
 using StatePtr = std::shared_ptr<FSDPState>;
+using LabeledState = std::pair<std::string, StatePtr>;  // module path, state
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
@@ -26,7 +27,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // order; it is asked when this state becomes a root.
   FSDPState(std::unique_ptr<ParamGroup> group, MixedPrecisionPolicy mp,
             std::optional<bool> reshard_after_forward,
-            std::function<std::vector<StatePtr>()> subtree);
+            std::function<std::vector<LabeledState>()> subtree);
 
   ParamGroup& group() { return *group_; }
   const MixedPrecisionPolicy& mp_policy() const { return mp_; }
@@ -40,7 +41,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void post_backward_hook_fired();
 
   // --- the module interface -----------------------------------------------------
-  std::vector<StatePtr> subtree() const { return subtree_(); }
+  std::vector<StatePtr> subtree() const;
+  // The module path below the root ("root" for the root), for traces.
+  const std::string& label() const { return label_; }
   bool is_root() const { return root_.lock().get() == this; }
   bool initialized() const { return !root_.expired(); }
   void set_reshard_after_forward(bool value) {
@@ -83,7 +86,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool is_last_backward_set_ = false;
   ReduceOp reduce_op_ = ReduceOp::kAvg;
   std::optional<double> divide_factor_;
-  std::function<std::vector<StatePtr>()> subtree_;
+  std::function<std::vector<LabeledState>()> subtree_;
+  std::string label_ = "module";
   std::vector<std::weak_ptr<FSDPState>> forward_prefetch_;
   std::vector<std::weak_ptr<FSDPState>> backward_prefetch_;
 

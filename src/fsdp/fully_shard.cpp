@@ -63,16 +63,19 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   return comm;
 }
 
-std::vector<detail::StatePtr> states_in_subtree(
+// The states of the subtrees of `roots`, named by module path ("" for a root).
+std::vector<detail::LabeledState> states_in_subtree(
     const std::vector<std::weak_ptr<torch::nn::Module>>& roots) {
-  std::vector<detail::StatePtr> states;
-  for (const auto& weak : roots) {
-    auto root = weak.lock();
+  std::vector<detail::LabeledState> states;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    auto root = roots[i].lock();
     if (!root) continue;
-    for (const auto& module : root->modules(/*include_self=*/true)) {
-      auto state = detail::state_of(module.get());
-      if (state && std::find(states.begin(), states.end(), state) == states.end()) {
-        states.push_back(state);
+    const std::string prefix = roots.size() > 1 ? std::to_string(i) : "";
+    for (const auto& item : root->named_modules(prefix, /*include_self=*/true)) {
+      auto state = detail::state_of(item.value().get());
+      auto same = [&](const detail::LabeledState& s) { return s.second == state; };
+      if (state && std::none_of(states.begin(), states.end(), same)) {
+        states.emplace_back(item.key(), state);
       }
     }
   }

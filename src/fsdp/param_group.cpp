@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "hyperparallel/trace.h"
+
 namespace hp::detail {
 namespace {
 
@@ -38,6 +40,7 @@ ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
 CommHandle ParamGroup::unshard(bool async) {
   if (state_ == State::kSharded) {
     state_ = State::kPending;
+    trace::record(trace::Kind::kIssue, "all_gather", label_);
     pending_unshard_ = issue_all_gather();
   }
   if (!async) wait_for_unshard();
@@ -46,7 +49,9 @@ CommHandle ParamGroup::unshard(bool async) {
 
 void ParamGroup::wait_for_unshard() {
   if (state_ != State::kPending) return;
+  trace::record(trace::Kind::kWaitBegin, "all_gather", label_);
   pending_unshard_.wait();  // its completion installs the unsharded parameters
+  trace::record(trace::Kind::kWaitEnd, "all_gather", label_);
   pending_unshard_ = CommHandle();
 }
 
@@ -200,7 +205,11 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
     grads.push_back(std::move(grad));
   }
   start_replicated_reduce(settings);
-  if (r.params.empty()) return;
+  if (r.params.empty()) {
+    if (r.replicated.empty()) pending_.reset();  // nothing to reduce (sync off, frozen)
+    return;
+  }
+  trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
 
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
   const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(dtype));
@@ -239,7 +248,9 @@ void ParamGroup::wait_reduce_scatter() {
   if (!pending_ || pending_->reduce_scatters_done) return;
   PendingReduce& r = *pending_;
   r.reduce_scatters_done = true;
+  if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitBegin, "reduce_scatter", label_);
   for (auto& handle : r.reduce_scatters) handle.wait();
+  if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
   // Seed 002: only what this library allocated is freed; a view of the caller's
   // gradient is merely dropped.
   for (auto& input : r.inputs) {
@@ -273,6 +284,7 @@ void ParamGroup::start_all_reduce() {
     if (partial.defined()) r.buffer.narrow(0, r.offsets[i], partial.numel()).add_(partial);
   }
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
+  trace::record(trace::Kind::kIssue, "all_reduce", label_);
   r.all_reduce = all_reduce(r.buffer, ReduceOp::kSum, *comm_.replicate);
 }
 
@@ -289,7 +301,11 @@ void ParamGroup::finish_reduce() {
   start_all_reduce();
   PendingReduce r = std::move(*pending_);
   pending_.reset();
-  r.all_reduce.wait();
+  if (r.all_reduce.pending()) {
+    trace::record(trace::Kind::kWaitBegin, "all_reduce", label_);
+    r.all_reduce.wait();
+    trace::record(trace::Kind::kWaitEnd, "all_reduce", label_);
+  }
   install_sharded_grads(r);
   for (size_t i = 0; i < r.replicated.size(); ++i) {
     r.replicated_all_reduces[i].wait();

@@ -55,6 +55,7 @@ class ParamGroup {
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   std::vector<ReplicatedParam>& replicated() { return replicated_; }
   const GroupComm& comm() const { return comm_; }
+  void set_label(std::string label) { label_ = std::move(label); }  // names trace events
 
   // --- unshard / reshard -------------------------------------------------------
   CommHandle unshard(bool async);
@@ -118,6 +119,7 @@ class ParamGroup {
   std::vector<ReplicatedParam> replicated_;
   GroupComm comm_;
   bool comm_fusion_;
+  std::string label_ = "module";
   State state_ = State::kSharded;
   CommHandle pending_unshard_;
   GroupPtr post_forward_group_;

@@ -1,0 +1,226 @@
+#include "hyperparallel/trace.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+namespace hp::trace {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Recorder {
+  std::atomic<bool> on{false};
+  std::mutex mutex;
+  Clock::time_point origin;
+  std::vector<Event> events;
+};
+
+Recorder& recorder() {
+  static Recorder r;
+  return r;
+}
+
+const char* short_name(const std::string& op) {
+  if (op == "all_gather") return "AG";
+  if (op == "reduce_scatter") return "RS";
+  if (op == "all_reduce") return "AR";
+  return nullptr;
+}
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::kBegin:
+      return "begin";
+    case Kind::kEnd:
+      return "end";
+    case Kind::kIssue:
+      return "issue";
+    case Kind::kWaitBegin:
+      return "wait";
+    case Kind::kWaitEnd:
+      return "done";
+  }
+  return "?";
+}
+
+// Lanes of the picture: compute, then one per collective.
+int lane_of(const std::string& op) {
+  if (op == "all_gather") return 1;
+  if (op == "reduce_scatter") return 2;
+  if (op == "all_reduce") return 3;
+  return 0;
+}
+
+struct Span {
+  int lane;
+  double begin, end, wait_begin;  // wait_begin < 0: no wait part
+  std::string label, color;
+};
+
+// Pairs begin/end and issue/wait/done per (op, module), in order.
+std::vector<Span> spans_of(const std::vector<Event>& events) {
+  std::map<std::string, std::deque<std::pair<double, double>>> open;  // key -> (start, wait)
+  std::vector<Span> spans;
+  for (const Event& e : events) {
+    const std::string key = e.op + "|" + e.module;
+    auto& queue = open[key];
+    switch (e.kind) {
+      case Kind::kBegin:
+      case Kind::kIssue:
+        queue.emplace_back(e.time_us, -1.0);
+        break;
+      case Kind::kWaitBegin:
+        if (!queue.empty()) queue.front().second = e.time_us;
+        break;
+      case Kind::kEnd:
+      case Kind::kWaitEnd: {
+        if (queue.empty()) break;
+        auto [begin, wait] = queue.front();
+        queue.pop_front();
+        const bool compute = lane_of(e.op) == 0;
+        const char* color = compute ? (e.op == "forward" ? "#4e79a7" : "#59a14f")
+                            : e.op == "all_gather"     ? "#f28e2b"
+                            : e.op == "reduce_scatter" ? "#e15759"
+                                                       : "#b07aa1";
+        spans.push_back({lane_of(e.op), begin, e.time_us, wait, e.module, color});
+        break;
+      }
+    }
+  }
+  return spans;
+}
+
+std::string escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '<') {
+      out += "&lt;";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+void start() {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.events.clear();
+  r.origin = Clock::now();
+  r.on = true;
+}
+
+std::vector<Event> stop() {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.on = false;
+  return std::move(r.events);
+}
+
+bool enabled() { return recorder().on.load(std::memory_order_relaxed); }
+
+void record(Kind kind, std::string_view op, std::string_view module) {
+  Recorder& r = recorder();
+  if (!r.on.load(std::memory_order_relaxed)) return;
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.events.push_back({kind, std::string(op), std::string(module),
+                      std::chrono::duration<double, std::micro>(now - r.origin).count()});
+}
+
+std::string describe(const Event& event) {
+  const char* name = short_name(event.op);
+  return std::string(name ? name : event.op.c_str()) + " " + kind_name(event.kind) + " " +
+         event.module;
+}
+
+std::string to_chrome_json(const std::vector<Event>& events, int rank) {
+  static const char* lanes[] = {"compute", "all-gather", "reduce-scatter", "all-reduce"};
+  std::ostringstream out;
+  out << "{\"traceEvents\":[";
+  bool first = true;
+  for (int lane = 0; lane < 4; ++lane) {
+    out << (first ? "" : ",") << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << rank
+        << ",\"tid\":" << lane << ",\"args\":{\"name\":\"" << lanes[lane] << "\"}}";
+    first = false;
+  }
+  for (const Span& s : spans_of(events)) {
+    out << ",{\"name\":\"" << escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
+        << ",\"tid\":" << s.lane << ",\"ts\":" << s.begin << ",\"dur\":" << (s.end - s.begin)
+        << "}";
+    if (s.wait_begin >= 0) {
+      out << ",{\"name\":\"wait " << escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
+          << ",\"tid\":" << s.lane << ",\"ts\":" << s.wait_begin
+          << ",\"dur\":" << (s.end - s.wait_begin) << "}";
+    }
+  }
+  out << "]}\n";
+  return out.str();
+}
+
+std::string to_svg(const std::vector<Event>& events, const std::string& title) {
+  static const char* lanes[] = {"compute", "all-gather", "reduce-scatter", "all-reduce"};
+  const std::vector<Span> spans = spans_of(events);
+  double end = 1;
+  for (const Span& s : spans) end = std::max(end, s.end);
+  const double left = 110, width = 1100, lane_height = 34, top = 40;
+  auto x = [&](double t) { return left + t / end * width; };
+  std::ostringstream out;
+  char buffer[256];
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20
+      << "\" height=\"" << top + 4 * lane_height + 40 << "\" font-family=\"sans-serif\" "
+      << "font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"10\" y=\"20\" font-size=\"14\">" << escape(title) << "</text>\n";
+  for (int lane = 0; lane < 4; ++lane) {
+    const double y = top + lane * lane_height;
+    out << "<text x=\"10\" y=\"" << y + 20 << "\">" << lanes[lane] << "</text>\n"
+        << "<line x1=\"" << left << "\" x2=\"" << left + width << "\" y1=\"" << y + lane_height
+        << "\" y2=\"" << y + lane_height << "\" stroke=\"#ddd\"/>\n";
+  }
+  for (const Span& s : spans) {
+    // The root's compute span encloses the blocks' spans: draw it as a thin bar above.
+    const bool enclosing = s.lane == 0 && s.label == "root";
+    const double y = top + s.lane * lane_height + (enclosing ? 0 : 4);
+    const double height = enclosing ? 3 : lane_height - 8;
+    std::snprintf(buffer, sizeof(buffer),
+                  "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\" "
+                  "fill-opacity=\"0.55\" stroke=\"%s\"><title>%s %.0f us</title></rect>\n",
+                  x(s.begin), y, std::max(0.5, x(s.end) - x(s.begin)), height, s.color.c_str(),
+                  s.color.c_str(), escape(s.label).c_str(), s.end - s.begin);
+    out << buffer;
+    if (!enclosing && x(s.end) - x(s.begin) > 7.0 * s.label.size()) {
+      std::snprintf(buffer, sizeof(buffer), "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
+                    x(s.begin) + 3, y + height / 2 + 4, escape(s.label).c_str());
+      out << buffer;
+    }
+    if (s.wait_begin >= 0) {
+      std::snprintf(buffer, sizeof(buffer),
+                    "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"black\" "
+                    "fill-opacity=\"0.45\"/>\n",
+                    x(s.wait_begin), y + (lane_height - 8) / 2,
+                    std::max(0.5, x(s.end) - x(s.wait_begin)), (lane_height - 8) / 2);
+      out << buffer;
+    }
+  }
+  std::snprintf(buffer, sizeof(buffer),
+                "<text x=\"%.0f\" y=\"%.0f\">0</text><text x=\"%.0f\" y=\"%.0f\" "
+                "text-anchor=\"end\">%.1f ms</text>\n",
+                left, top + 4 * lane_height + 16, left + width, top + 4 * lane_height + 16,
+                end / 1000);
+  out << buffer
+      << "<text x=\"" << left + width / 2 << "\" y=\"" << top + 4 * lane_height + 32
+      << "\" text-anchor=\"middle\">pale: collective in flight (issue to done); dark: the "
+         "caller waiting for it; blue: forward, green: backward</text>\n</svg>\n";
+  return out.str();
+}
+
+}  // namespace hp::trace
