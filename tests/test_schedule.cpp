@@ -70,27 +70,23 @@ HP_DIST_TEST(Schedule, ForwardAndBackwardOrderMatchesTheDesign, 4) {
       "forward begin blocks.3", "AG wait blocks.3", "AG done blocks.3", "forward end blocks.3",
       "forward end root",
       // Backward: the root (kept unsharded) prefetches the last block.
-      "backward begin root", "AG issue blocks.3",
-      "backward begin blocks.3", "AG wait blocks.3", "AG done blocks.3", "AG issue blocks.2",
+      "backward begin root", "AG issue blocks.3", "backward begin blocks.3", "AG wait blocks.3",
+      "AG done blocks.3", "AG issue blocks.2",
       // Post-backward pipeline: (1) wait the previous reduce-scatter, (2) apply it for
       // pure FSDP, (3) issue this one, (4) issue the previous all-reduce.
-      "backward end blocks.3", "RS issue blocks.3",
-      "backward begin blocks.2", "AG wait blocks.2", "AG done blocks.2", "AG issue blocks.1",
-      "backward end blocks.2", "RS wait blocks.3", "RS done blocks.3", "RS issue blocks.2",
-      "AR issue blocks.3",
-      "backward begin blocks.1", "AG wait blocks.1", "AG done blocks.1", "AG issue blocks.0",
-      "backward end blocks.1", "RS wait blocks.2", "RS done blocks.2", "RS issue blocks.1",
-      "AR issue blocks.2",
-      "backward begin blocks.0", "AG wait blocks.0", "AG done blocks.0",
-      "backward end blocks.0", "RS wait blocks.1", "RS done blocks.1", "RS issue blocks.0",
-      "AR issue blocks.1",
+      "backward end blocks.3", "RS issue blocks.3", "backward begin blocks.2", "AG wait blocks.2",
+      "AG done blocks.2", "AG issue blocks.1", "backward end blocks.2", "RS wait blocks.3",
+      "RS done blocks.3", "RS issue blocks.2", "AR issue blocks.3", "backward begin blocks.1",
+      "AG wait blocks.1", "AG done blocks.1", "AG issue blocks.0", "backward end blocks.1",
+      "RS wait blocks.2", "RS done blocks.2", "RS issue blocks.1", "AR issue blocks.2",
+      "backward begin blocks.0", "AG wait blocks.0", "AG done blocks.0", "backward end blocks.0",
+      "RS wait blocks.1", "RS done blocks.1", "RS issue blocks.0", "AR issue blocks.1",
       // End of backward (root): its own reduction, the last all-reduce, then every
       // all-reduce waited once, in issue order.
       "backward end root", "RS wait blocks.0", "RS done blocks.0", "RS issue root",
-      "AR issue blocks.0", "RS wait root", "RS done root", "AR issue root",
-      "AR wait blocks.3", "AR done blocks.3", "AR wait blocks.2", "AR done blocks.2",
-      "AR wait blocks.1", "AR done blocks.1", "AR wait blocks.0", "AR done blocks.0",
-      "AR wait root", "AR done root"};
+      "AR issue blocks.0", "RS wait root", "RS done root", "AR issue root", "AR wait blocks.3",
+      "AR done blocks.3", "AR wait blocks.2", "AR done blocks.2", "AR wait blocks.1",
+      "AR done blocks.1", "AR wait blocks.0", "AR done blocks.0", "AR wait root", "AR done root"};
   EXPECT_EQ(joined(run.schedule), joined(expected));
 }
 

@@ -84,7 +84,7 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
         auto [begin, wait] = queue.front();
         queue.pop_front();
         const bool compute = lane_of(e.op) == 0;
-        const char* color = compute ? (e.op == "forward" ? "#4e79a7" : "#59a14f")
+        const char* color = compute                    ? (e.op == "forward" ? "#4e79a7" : "#59a14f")
                             : e.op == "all_gather"     ? "#f28e2b"
                             : e.op == "reduce_scatter" ? "#e15759"
                                                        : "#b07aa1";
@@ -176,8 +176,8 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
   auto x = [&](double t) { return left + t / end * width; };
   std::ostringstream out;
   char buffer[256];
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20
-      << "\" height=\"" << top + 4 * lane_height + 40 << "\" font-family=\"sans-serif\" "
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20 << "\" height=\""
+      << top + 4 * lane_height + 40 << "\" font-family=\"sans-serif\" "
       << "font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"10\" y=\"20\" font-size=\"14\">" << escape(title) << "</text>\n";
   for (int lane = 0; lane < 4; ++lane) {
@@ -216,8 +216,7 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
                 "text-anchor=\"end\">%.1f ms</text>\n",
                 left, top + 4 * lane_height + 16, left + width, top + 4 * lane_height + 16,
                 end / 1000);
-  out << buffer
-      << "<text x=\"" << left + width / 2 << "\" y=\"" << top + 4 * lane_height + 32
+  out << buffer << "<text x=\"" << left + width / 2 << "\" y=\"" << top + 4 * lane_height + 32
       << "\" text-anchor=\"middle\">pale: collective in flight (issue to done); dark: the "
          "caller waiting for it; blue: forward, green: backward</text>\n</svg>\n";
   return out.str();

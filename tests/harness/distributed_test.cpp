@@ -22,7 +22,8 @@ std::string self_executable() {
   return std::string(path, static_cast<size_t>(length));
 }
 
-std::chrono::milliseconds test_timeout() {
+std::chrono::milliseconds test_timeout(int requested_seconds) {
+  if (requested_seconds > 0) return std::chrono::seconds(requested_seconds);
   const char* text = std::getenv("HP_DIST_TEST_TIMEOUT");
   int seconds = text ? std::atoi(text) : 60;
   return std::chrono::seconds(seconds > 0 ? seconds : 60);
@@ -53,7 +54,7 @@ std::shared_ptr<World> world() {
   return joined;
 }
 
-void run_distributed(const char* test_name, int world_size, void (*body)()) {
+void run_distributed(const char* test_name, int world_size, void (*body)(), int timeout_seconds) {
   const std::string tag = std::string(test_name) + "/" + std::to_string(world_size);
   if (const char* child = std::getenv(kChildVariable)) {
     if (tag == child) run_as_rank(body);
@@ -64,7 +65,7 @@ void run_distributed(const char* test_name, int world_size, void (*body)()) {
   options.command = {self_executable(), std::string("--gtest_filter=") + test_name};
   options.extra_env[kChildVariable] = tag;
   options.extra_env["OMP_NUM_THREADS"] = "1";
-  options.timeout = test_timeout();
+  options.timeout = test_timeout(timeout_seconds);
   options.prefix_output = false;
   LaunchResult result = launch_local(options);
   if (result.timed_out) {
