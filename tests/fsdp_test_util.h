@@ -16,6 +16,20 @@ namespace hp::testing {
 // A fully_shard-ed module and the prefix of its parameters' names in the whole model.
 using ShardedParts = std::vector<std::pair<std::string, FSDPModule>>;
 
+// fully_shard every block (its names prefixed "<prefix><i>."), then the root, with the
+// same options; the root comes last in the result.
+template <typename Block, typename Root>
+ShardedParts shard_blocks_then_root(std::vector<Sharded<Block>>& blocks, Sharded<Root>& root,
+                                    const std::string& prefix,
+                                    const FullyShardOptions& options = {}) {
+  ShardedParts parts;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    parts.emplace_back(prefix + std::to_string(i) + ".", fully_shard(blocks[i], options));
+  }
+  parts.emplace_back("", fully_shard(root, options));
+  return parts;
+}
+
 inline std::map<std::string, at::Tensor> full_grads(const ShardedParts& parts) {
   std::map<std::string, at::Tensor> grads;
   for (const auto& [prefix, module] : parts) {

@@ -32,11 +32,8 @@ void run_parity(const Setup& setup) {
   FullyShardOptions options;
   options.mesh = setup.mesh;
   options.comm_fusion = setup.comm_fusion;
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->blocks.size(); ++i) {
-    parts.emplace_back("blocks." + std::to_string(i) + ".", fully_shard(model->blocks[i], options));
-  }
-  parts.emplace_back("", fully_shard(model, options));
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
 
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));

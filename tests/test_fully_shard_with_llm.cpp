@@ -53,11 +53,8 @@ std::vector<StepResult> train(const std::optional<DeviceMesh>& mesh, bool check_
   Sharded<Transformer> model(config);
   FullyShardOptions options;
   options.mesh = mesh;
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->layers.size(); ++i) {
-    parts.emplace_back("layers." + std::to_string(i) + ".", fully_shard(model->layers[i], options));
-  }
-  parts.emplace_back("", fully_shard(model, options));
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->layers, model, "layers.", options);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   std::optional<torch::optim::AdamW> ref_opt;
   if (check_reference) ref_opt.emplace(reference->parameters(), torch::optim::AdamWOptions(1e-3));

@@ -23,12 +23,9 @@ Run traced_step(bool implicit_prefetch) {
   Sharded<Mlp> model(5, 8, 9, 3, 4);
   FullyShardOptions options;
   options.mesh = DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}});
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->blocks.size(); ++i) {
-    parts.emplace_back("blocks." + std::to_string(i) + ".", fully_shard(model->blocks[i], options));
-  }
-  FSDPModule root = fully_shard(model, options);
-  parts.emplace_back("", root);
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
+  FSDPModule root = parts.back().second;
   root.set_implicit_prefetch(implicit_prefetch);
   auto world = testing::world();
   Run run;

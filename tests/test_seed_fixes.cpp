@@ -187,11 +187,8 @@ HP_DIST_TEST(Seed002, SameDtypeReduceTrainsCorrectly, 2) {
   FullyShardOptions options;
   options.mp_policy.reduce_dtype = at::kFloat;
   options.mp_policy.apply_grad_on_fp32_main_grad = true;
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->blocks.size(); ++i) {
-    parts.emplace_back("blocks." + std::to_string(i) + ".", fully_shard(model->blocks[i], options));
-  }
-  parts.emplace_back("", fully_shard(model, options));
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
   auto world = testing::world();
   for (int step = 0; step < 3; ++step) {
     torch::manual_seed(step);

@@ -39,11 +39,8 @@ void run_parity(const std::optional<DeviceMesh>& mesh) {
 
   FullyShardOptions options;
   options.mesh = mesh;
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->layers.size(); ++i) {
-    parts.emplace_back("layers." + std::to_string(i) + ".", fully_shard(model->layers[i], options));
-  }
-  parts.emplace_back("", fully_shard(model, options));
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->layers, model, "layers.", options);
 
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));

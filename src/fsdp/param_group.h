@@ -67,7 +67,6 @@ class ParamGroup {
   bool has_post_forward_group() const { return post_forward_group_ != nullptr; }
   void reshard_to_post_forward_group();
   bool is_unsharded() const { return state_ == State::kUnsharded; }
-  bool unshard_pending() const { return state_ == State::kPending; }
 
   // --- gradients ----------------------------------------------------------------
   // Called before backward accumulates into replicated parameters: sets aside their
