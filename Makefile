@@ -1,12 +1,13 @@
 # make demo   the main job (builds first)
 # make test   the whole test suite (builds first)
-# Both set up everything themselves: on a host without LibTorch >= 2.6 they create a
+# make bench  the benchmarks; rewrites docs/performance.md (builds first)
+# All three set up everything themselves: on a host without LibTorch >= 2.6 they create a
 # Debian 13 build root once (tools/buildroot.sh) and work inside it.
 BUILD ?= build
 RUN := tools/in_env.sh
 JOBS ?= $(shell nproc)
 
-.PHONY: all build demo test format clean
+.PHONY: all build demo test bench format clean
 
 all: build
 
@@ -19,6 +20,10 @@ demo: build
 
 test: build
 	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# Benchmarks (about 10 minutes on 2 cores); rewrites docs/performance.md.
+bench: build
+	$(RUN) bench/run.sh $(BUILD)
 
 format:
 	$(RUN) clang-format -i $(shell git ls-files '*.cpp' '*.h')

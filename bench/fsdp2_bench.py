@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""PyTorch FSDP2 counterpart of bench/hp_bench.cpp: the same models, batches, optimizer
+and timing loop, so that step times can be compared line by line.
+
+Run on every rank (torchrun environment), e.g.
+    USE_LIBUV=0 hp-run -n 2 -- python3 bench/fsdp2_bench.py --variants local,fsdp2
+
+Variants (alternated step by step in one process, like hp_bench):
+    local           the plain model on this rank's batch, no communication
+    fsdp2           torch.distributed.fsdp.fully_shard, defaults
+    fsdp2:prefetch  + the documented CPU-friendly overlap recipe: async unshard and an
+                    explicit forward prefetch of the next block
+    fsdp2:raf       reshard_after_forward=True (expected to fail on CPU, see below)
+
+Rank 0 prints one "RESULT {json}" line per variant.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+
+# --- CPU shims -------------------------------------------------------------------------
+# FSDP2 is written against CUDA streams. torch.cpu.Stream is a stub without
+# record_event / wait_event; on CPU every op is already ordered on the calling thread,
+# so an event that is always complete and a no-op wait are exact.
+def _record_event(self, event=None):
+    return torch.cpu.Event()
+
+
+torch.cpu.Stream.record_event = _record_event
+torch.cpu.Stream.wait_event = lambda self, event: None
+
+# For fp32 gradients FSDP2 relies on the backend's ReduceOp.AVG. Gloo (torch 2.6) rejects
+# AVG in all_reduce (HSDP fails) and treats it as SUM in reduce_scatter (gradients come
+# out world-size times too large). The fp16 path of the same function returns explicit
+# pre/post divide factors with SUM collectives: use it for every dtype. Same traffic, one
+# or two extra in-place divisions, and correct averages -- as HyperParallel does.
+_orig_factors = _fsdp_collectives._get_gradient_divide_factors
+
+
+def _divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype):
+    return _orig_factors(reduce_scatter_group, all_reduce_group, torch.float16)
+
+
+_fsdp_collectives._get_gradient_divide_factors = _divide_factors
+
+
+# --- the model of models/transformer.h --------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t = x.shape[0], x.shape[1]
+
+        def split(y):
+            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.head_dim**0.5)
+        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, -1, dtype=torch.float).to(v.dtype)
+        return self.wo(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGlu(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim, heads, ffn):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = SwiGlu(dim, ffn)
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab, dim, heads, layers, ffn, max_seq):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos_embeddings = nn.Embedding(max_seq, dim)
+        self.layers = nn.ModuleList(DecoderBlock(dim, heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        with torch.no_grad():
+            residual_std = 0.02 / (2.0 * max(layers, 1)) ** 0.5
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    out = name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight")
+                    p.normal_(0.0, residual_std if out else 0.02)
+
+    def blocks(self):
+        return list(self.layers)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1])
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return F.linear(self.norm(h), self.tok_embeddings.weight)  # tied output
+
+
+class Tiny(nn.Module):
+    """Many tiny blocks: measures per-block scheduling cost, not compute."""
+
+    def __init__(self, blocks, width):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def blocks(self):
+        return list(self.layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+# --- measurement helpers ------------------------------------------------------------
+def vm_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["transformer", "tiny"], default="transformer")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--tiny-blocks", type=int, default=64)
+    ap.add_argument("--tiny-width", type=int, default=8)
+    ap.add_argument("--mesh", default="", help="RxS; default 1xWORLD (FSDP)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default="local,fsdp2")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)  # ranks share the machine's cores (as hp_bench)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicate, shard = (1, world)
+    if args.mesh:
+        replicate, shard = (int(x) for x in args.mesh.split("x"))
+    assert replicate * shard == world, f"--mesh {args.mesh} needs {replicate * shard} ranks"
+    if replicate == 1:
+        mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh(
+            "cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
+
+    # The process before any model exists (torch, Gloo, the mesh): peak RSS minus this is
+    # what the variant's model, optimizer and steps cost.
+    base_rss = vm_kib("VmRSS") / 1024.0
+
+    def build(variant):
+        torch.manual_seed(0)  # the same initial model for every variant and rank
+        if args.model == "transformer":
+            model = Transformer(
+                args.vocab, args.dim, args.heads, args.layers, 4 * args.dim, args.seq
+            )
+        else:
+            model = Tiny(args.tiny_blocks, args.tiny_width)
+        kind, _, flags = variant.partition(":")
+        flags = set(filter(None, flags.split("+")))
+        if kind == "fsdp2":
+            raf = "raf" in flags
+            for block in model.blocks():
+                fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+            fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+            if "prefetch" in flags:
+                # FSDP2's pre-forward / pre-backward all-gathers are synchronous
+                # (async_op=False) and overlap on GPUs only through streams; on CPU
+                # overlap needs async unshards plus explicit forward prefetch.
+                model._set_unshard_async_op(True)
+                blocks = model.blocks()
+                for i in range(len(blocks) - 1):
+                    blocks[i].set_modules_to_forward_prefetch([blocks[i + 1]])
+        elif kind != "local":
+            raise SystemExit(f"unknown variant {variant}")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return {"name": variant, "model": model, "opt": opt, "times": [], "error": None}
+
+    variants = [build(v) for v in args.variants.split(",")]
+
+    def batch(step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        if args.model == "transformer":
+            tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+            return tokens[:, :-1], tokens[:, 1:]
+        return torch.randn(args.batch, args.tiny_width, generator=g), None
+
+    def loss_of(model, x, y):
+        out = model(x)
+        if y is None:
+            return out.square().mean()
+        return F.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+
+    for step in range(args.warmup + args.steps):
+        x, y = batch(step)
+        # Rotate the order so that no variant always runs right after another.
+        order = variants[step % len(variants) :] + variants[: step % len(variants)]
+        for v in order:
+            if v["error"]:
+                continue
+            dist.barrier()
+            try:
+                t0 = time.perf_counter()
+                v["opt"].zero_grad(set_to_none=True)
+                loss = loss_of(v["model"], x, y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                v["opt"].step()
+                t3 = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 -- reported, not hidden
+                v["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                continue
+            t = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            if step >= args.warmup:
+                v["times"].append(t.tolist())
+
+    rss = torch.tensor([vm_kib("VmHWM") / 1024.0, base_rss], dtype=torch.float64)
+    all_rss = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(all_rss, rss)
+    if rank == 0:
+        for v in variants:
+            res = {
+                "impl": "fsdp2" if v["name"].startswith("fsdp2") else "py",
+                "variant": v["name"],
+                "label": args.label,
+                "world": world,
+                "mesh": f"{replicate}x{shard}",
+                "steps": len(v["times"]),
+                "error": v["error"],
+                # VmHWM of the whole process: meaningful per variant only when the
+                # process ran a single variant.
+                "peak_rss_mib": [round(r[0].item(), 1) for r in all_rss],
+                "base_rss_mib": [round(r[1].item(), 1) for r in all_rss],
+            }
+            if v["times"]:
+                cols = list(zip(*v["times"]))
+                for key, col in zip(["fwd", "bwd", "opt", "step"], cols):
+                    res[key + "_ms"] = round(1000 * statistics.median(col), 3)
+                if len(cols[3]) >= 2:  # the spread shows how noisy the machine was
+                    q = statistics.quantiles(cols[3], n=4, method="inclusive")
+                    res["step_p25_ms"] = round(1000 * q[0], 3)
+                    res["step_p75_ms"] = round(1000 * q[2], 3)
+            print("RESULT " + json.dumps(res), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+// Benchmark of fully_shard's modes against a plain data-parallel baseline and a
+// compute-only reference, on the decoder of models/transformer.h or on a model of many
+// tiny blocks (scheduling overhead). All variants live in one process and are stepped in
+// rotation, so that a machine whose load drifts (shared cores) slows all of them alike.
+//
+//   hp-run -n 2 -- hp_bench --variants local,ddp,hp,hp:fusion --dim 256 --layers 4
+//
+// Variants:
+//   local          the plain model on this rank's batch: compute only, no communication
+//   ddp            the plain model replicated; after backward one all-reduce of all
+//                  gradients (flattened into one buffer), then the optimizer
+//   comm           communication only: the collectives of `hp` (default options) for this
+//                  model, module by module, each waited before the next, no compute.
+//                  Its step time is the serial communication time of a step.
+//                  comm:keep: the same for reshard_after_forward = false (no all-gather
+//                  in backward).
+//   hp[:flags]     fully_shard on every block and the root; flags (joined by "+"):
+//                    fusion   options.comm_fusion = true
+//                    nopf     root.set_implicit_prefetch(false)
+//                    keep     options.reshard_after_forward = false
+// Rank 0 prints one "RESULT {json}" line per variant (bench/report.py reads them).
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/fully_shard.h"
+#include "hyperparallel/mesh.h"
+#include "hyperparallel/process_group.h"
+#include "models/transformer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string model = "transformer";  // or "tiny"
+  int64_t dim = 256, layers = 4, heads = 4, vocab = 1024, seq = 64, batch = 2;
+  int64_t tiny_blocks = 64, tiny_width = 8;
+  int64_t replicate = 1, shard = 0;  // shard 0: all ranks
+  int64_t steps = 8, warmup = 2;
+  std::string variants = "local,ddp,hp";
+  std::string label;
+  bool count_copies = true;
+};
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--model")
+      o.model = value();
+    else if (arg == "--dim")
+      o.dim = std::stoll(value());
+    else if (arg == "--layers")
+      o.layers = std::stoll(value());
+    else if (arg == "--heads")
+      o.heads = std::stoll(value());
+    else if (arg == "--vocab")
+      o.vocab = std::stoll(value());
+    else if (arg == "--seq")
+      o.seq = std::stoll(value());
+    else if (arg == "--batch")
+      o.batch = std::stoll(value());
+    else if (arg == "--tiny-blocks")
+      o.tiny_blocks = std::stoll(value());
+    else if (arg == "--tiny-width")
+      o.tiny_width = std::stoll(value());
+    else if (arg == "--steps")
+      o.steps = std::stoll(value());
+    else if (arg == "--warmup")
+      o.warmup = std::stoll(value());
+    else if (arg == "--variants")
+      o.variants = value();
+    else if (arg == "--label")
+      o.label = value();
+    else if (arg == "--no-copy-count")
+      o.count_copies = false;
+    else if (arg == "--mesh") {
+      const std::string mesh = value();
+      const auto x = mesh.find('x');
+      if (x == std::string::npos) throw std::invalid_argument("--mesh needs RxS");
+      o.replicate = std::stoll(mesh.substr(0, x));
+      o.shard = std::stoll(mesh.substr(x + 1));
+    } else {
+      throw std::invalid_argument("unknown option " + arg);
+    }
+  }
+  return o;
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, sep);) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+// Many tiny blocks: compute and communication are negligible, so the step time is the
+// per-module cost of the framework (hooks, bookkeeping, collective launch latency).
+struct TinyImpl : torch::nn::Module {
+  TinyImpl(int64_t blocks, int64_t width) {
+    auto list = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < blocks; ++i) {
+      layers.emplace_back(torch::nn::Linear(width, width));
+      list->push_back(layers.back().ptr());
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& layer : layers) x = layer(x);
+    return x;
+  }
+  std::vector<hp::Sharded<torch::nn::Linear>> layers;
+};
+TORCH_MODULE(Tiny);
+
+// Bytes written by aten::copy_ and aten::cat, in every thread of the process (c10d's
+// Gloo worker threads included). Counted in one separate, untimed step: the callback
+// slows every op down.
+// Split by thread: the main thread (model, autograd, fully_shard) and the others (c10d's
+// Gloo workers, which copy between user tensors and their own buffers).
+std::atomic<int64_t> g_copied_bytes{0};
+std::atomic<int64_t> g_copied_bytes_comm{0};
+std::thread::id g_main_thread;
+
+int64_t tensor_bytes(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  }
+  int64_t sum = 0;
+  if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorList().vec()) sum += t.numel() * t.element_size();
+  }
+  return sum;
+}
+
+std::unique_ptr<at::ObserverContext> count_copy(const at::RecordFunction& fn) {
+  const std::string_view name = fn.name();
+  if ((name == "aten::copy_" || name == "aten::cat") && !fn.inputs().empty()) {
+    // copy_(self, src): self is written; cat(tensors): the output is their total.
+    const int64_t bytes = tensor_bytes(fn.inputs()[0]);
+    (std::this_thread::get_id() == g_main_thread ? g_copied_bytes : g_copied_bytes_comm) += bytes;
+  }
+  return nullptr;
+}
+
+double status_mib(const char* field) {
+  std::ifstream status("/proc/self/status");
+  const std::string prefix = std::string(field) + ":";
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with(prefix)) return std::atof(line.c_str() + prefix.size()) / 1024.0;
+  }
+  return 0;
+}
+
+struct Variant {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::function<void()> after_backward;  // ddp's gradient all-reduce
+  // comm: replaces forward and backward; returns {forward ms, backward ms}.
+  std::function<std::array<double, 2>()> comm_step;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::vector<std::array<double, 4>> times;  // fwd, bwd, opt, step (max over ranks)
+  int64_t copied_bytes = -1;                 // main thread
+  int64_t copied_bytes_comm = -1;            // other threads (Gloo)
+};
+
+std::string json_number(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.3f", v);
+  return buf;
+}
+
+// The collectives fully_shard issues for `model` (blocks = children of "layers", the rest
+// belongs to the root), per-parameter mode, issued module by module and waited at once:
+// the time communication takes when nothing overlaps it. The root never reshards after
+// forward; the blocks do if `reshard_after_forward` (then backward all-gathers again).
+std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
+                                                      const hp::DeviceMesh& mesh,
+                                                      bool reshard_after_forward) {
+  std::vector<std::vector<at::Tensor>> modules(1);  // [0]: the root's own parameters
+  std::shared_ptr<torch::nn::Module> layers;
+  for (const auto& child : model.named_children()) {
+    if (child.key() == "layers") {
+      layers = child.value();
+    } else {
+      for (const auto& p : child.value()->parameters()) modules[0].push_back(p.detach());
+    }
+  }
+  for (const auto& p : model.named_parameters(/*recurse=*/false)) modules[0].push_back(p.value());
+  for (const auto& block : layers->children()) modules.push_back(block->parameters());
+  const hp::GroupPtr shard = mesh.group(mesh.dim_names().back());
+  const hp::GroupPtr replicate = mesh.ndim() == 2 ? mesh.group(mesh.dim_names().front()) : nullptr;
+  const int64_t w = shard->size();
+  auto shard_numel = [w](const at::Tensor& p) {
+    const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
+    return (rows + w - 1) / w * (p.numel() / std::max<int64_t>(rows, 1));
+  };
+  auto gather = [shard, w, shard_numel](const std::vector<at::Tensor>& params) {
+    std::vector<hp::CommHandle> handles;
+    std::vector<at::Tensor> keep;
+    for (const auto& p : params) {
+      keep.push_back(torch::zeros({shard_numel(p)}));
+      keep.push_back(torch::empty({w * shard_numel(p)}));
+      handles.push_back(hp::all_gather(keep.back(), keep[keep.size() - 2], *shard));
+    }
+    for (auto& h : handles) h.wait();
+  };
+  auto reduce = [shard, replicate, w, shard_numel](const std::vector<at::Tensor>& params) {
+    std::vector<hp::CommHandle> handles;
+    std::vector<at::Tensor> keep;
+    int64_t total = 0;
+    for (const auto& p : params) total += shard_numel(p);
+    at::Tensor buffer = torch::zeros({total});
+    int64_t offset = 0;
+    for (const auto& p : params) {
+      keep.push_back(torch::ones({w * shard_numel(p)}));
+      handles.push_back(hp::reduce_scatter(buffer.narrow(0, offset, shard_numel(p)), keep.back(),
+                                           hp::ReduceOp::kSum, *shard));
+      offset += shard_numel(p);
+    }
+    for (auto& h : handles) h.wait();
+    if (replicate && replicate->size() > 1) {
+      hp::all_reduce(buffer, hp::ReduceOp::kSum, *replicate).wait();
+    }
+  };
+  return [modules, gather, reduce, reshard_after_forward] {
+    const auto t0 = Clock::now();
+    for (const auto& m : modules) gather(m);  // root first, then the blocks in order
+    const auto t1 = Clock::now();
+    for (size_t i = modules.size(); i-- > 1;) {
+      if (reshard_after_forward) gather(modules[i]);
+      reduce(modules[i]);
+    }
+    reduce(modules[0]);  // the root's backward ends last
+    const auto t2 = Clock::now();
+    auto ms = [](auto a, auto b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    return std::array<double, 2>{ms(t0, t1), ms(t1, t2)};
+  };
+}
+
+// Linear interpolation between order statistics (numpy's default); q = 0.5: the median.
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (pos - static_cast<double>(lo)) * (v[hi] - v[lo]);
+}
+
+int run(const Options& o) {
+  std::shared_ptr<hp::World> world = hp::default_world();
+  const hp::Group& all = *world->world_group();
+  const int64_t ranks = world->size(), rank = world->rank();
+  const int64_t replicate = o.replicate, shard = o.shard == 0 ? ranks : o.shard;
+  if (replicate * shard != ranks) {
+    throw std::invalid_argument("--mesh needs " + std::to_string(replicate * shard) + " ranks");
+  }
+  hp::DeviceMesh mesh =
+      replicate == 1 ? hp::DeviceMesh(world, {{"dp_shard", shard}})
+                     : hp::DeviceMesh(world, {{"dp_replicate", replicate}, {"dp_shard", shard}});
+
+  // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
+  // is what the variant's model, optimizer and steps cost.
+  const double base_rss = status_mib("VmRSS");
+
+  hp::models::TransformerConfig config;
+  config.vocab = o.vocab;
+  config.dim = o.dim;
+  config.heads = o.heads;
+  config.layers = o.layers;
+  config.ffn_hidden = 4 * o.dim;
+  config.max_seq = o.seq;
+
+  auto build = [&](const std::string& spec) {
+    auto variant = std::make_unique<Variant>();
+    variant->name = spec;
+    const auto colon = spec.find(':');
+    const std::string kind = spec.substr(0, colon);
+    const std::vector<std::string> flags = colon == std::string::npos
+                                               ? std::vector<std::string>{}
+                                               : split(spec.substr(colon + 1), '+');
+    auto has = [&](const char* flag) {
+      return std::find(flags.begin(), flags.end(), flag) != flags.end();
+    };
+    if (kind != "local" && kind != "ddp" && kind != "hp" && kind != "comm") {
+      throw std::invalid_argument("unknown variant " + spec);
+    }
+
+    hp::FullyShardOptions options;
+    options.mesh = mesh;
+    options.comm_fusion = has("fusion");
+    if (has("keep")) options.reshard_after_forward = false;
+    const bool shard_it = kind == "hp";
+
+    torch::manual_seed(0);  // the same initial model for every variant and rank
+    std::optional<hp::FSDPModule> root;
+    if (o.model == "transformer") {
+      auto model = std::make_shared<hp::Sharded<hp::models::Transformer>>(config);
+      if (shard_it) {
+        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
+        root = hp::fully_shard(*model, options);
+      }
+      variant->module = model->ptr();
+      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
+    } else {
+      auto model = std::make_shared<hp::Sharded<Tiny>>(o.tiny_blocks, o.tiny_width);
+      if (shard_it) {
+        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
+        root = hp::fully_shard(*model, options);
+      }
+      variant->module = model->ptr();
+      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
+    }
+    if (root && has("nopf")) root->set_implicit_prefetch(false);
+    if (kind == "comm") variant->comm_step = comm_only_step(*variant->module, mesh, !has("keep"));
+    if (kind == "ddp") {
+      std::vector<at::Tensor> params = variant->module->parameters();
+      variant->after_backward = [params, &all, ranks] {
+        // The plain baseline: all gradients in one buffer, one blocking all-reduce.
+        std::vector<at::Tensor> flat;
+        for (const auto& p : params) flat.push_back(p.grad().view(-1));
+        at::Tensor buffer = at::cat(flat);
+        hp::all_reduce(buffer, hp::ReduceOp::kSum, all).wait();
+        buffer.div_(static_cast<double>(ranks));
+        int64_t offset = 0;
+        for (const auto& p : params) {
+          p.grad().view(-1).copy_(buffer.narrow(0, offset, p.numel()));
+          offset += p.numel();
+        }
+      };
+    }
+    variant->optimizer = std::make_unique<torch::optim::AdamW>(variant->module->parameters(),
+                                                               torch::optim::AdamWOptions(1e-3));
+    return variant;
+  };
+
+  std::vector<std::unique_ptr<Variant>> variants;
+  for (const std::string& spec : split(o.variants, ',')) variants.push_back(build(spec));
+
+  // Deterministic per step and rank; the same batch for every variant.
+  auto batch = [&](int64_t step) -> std::pair<at::Tensor, at::Tensor> {
+    at::Generator gen = at::detail::createCPUGenerator(1000 * step + rank);
+    if (o.model == "transformer") {
+      at::Tensor tokens = torch::randint(o.vocab, {o.batch, o.seq + 1}, gen, torch::kLong);
+      return {tokens.narrow(1, 0, o.seq), tokens.narrow(1, 1, o.seq)};
+    }
+    return {torch::randn({o.batch, o.tiny_width}, gen), at::Tensor()};
+  };
+
+  auto train_step = [&](Variant& v, const at::Tensor& x, const at::Tensor& y) {
+    if (v.comm_step) {
+      const std::array<double, 2> t = v.comm_step();
+      return std::array<double, 4>{t[0], t[1], 0.0, t[0] + t[1]};
+    }
+    const auto t0 = Clock::now();
+    v.optimizer->zero_grad();
+    at::Tensor out = v.forward(x);
+    at::Tensor loss = y.defined() ? torch::nn::functional::cross_entropy(out.reshape({-1, o.vocab}),
+                                                                         y.reshape(-1))
+                                  : out.pow(2).mean();
+    const auto t1 = Clock::now();
+    loss.backward();
+    if (v.after_backward) v.after_backward();
+    const auto t2 = Clock::now();
+    v.optimizer->step();
+    const auto t3 = Clock::now();
+    auto ms = [](auto a, auto b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    return std::array<double, 4>{ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t0, t3)};
+  };
+
+  const size_t n = variants.size();
+  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    auto [x, y] = batch(step);
+    // Rotate the order so that no variant always runs right after another.
+    for (size_t k = 0; k < n; ++k) {
+      Variant& v = *variants[(step + k) % n];
+      hp::barrier(all).wait();
+      const std::array<double, 4> t = train_step(v, x, y);
+      // The slowest rank sets the pace of a step.
+      at::Tensor times = torch::tensor({t[0], t[1], t[2], t[3]}, torch::kDouble);
+      hp::all_reduce(times, hp::ReduceOp::kMax, all).wait();
+      if (step >= o.warmup) {
+        auto a = times.accessor<double, 1>();
+        v.times.push_back({a[0], a[1], a[2], a[3]});
+      }
+    }
+  }
+
+  if (o.count_copies) {
+    auto [x, y] = batch(o.warmup + o.steps);
+    const at::CallbackHandle handle =
+        at::addGlobalCallback(at::RecordFunctionCallback(count_copy)
+                                  .needsInputs(true)
+                                  .scopes({at::RecordScope::FUNCTION}));
+    for (auto& v : variants) {
+      hp::barrier(all).wait();
+      g_copied_bytes = 0;
+      g_copied_bytes_comm = 0;
+      train_step(*v, x, y);
+      hp::barrier(all).wait();  // Gloo threads of this step are done
+      v->copied_bytes = g_copied_bytes.load();
+      v->copied_bytes_comm = g_copied_bytes_comm.load();
+    }
+    at::removeCallback(handle);
+  }
+
+  at::Tensor rss = torch::tensor({status_mib("VmHWM"), base_rss}, torch::kDouble);
+  at::Tensor all_rss = torch::empty({ranks, 2}, torch::kDouble);
+  hp::all_gather(all_rss, rss, all).wait();
+  if (rank == 0) {
+    for (auto& v : variants) {
+      std::string out =
+          "RESULT {\"impl\": \"" + std::string(v->name.starts_with("hp") ? "hp" : "cpp") +
+          "\", \"variant\": \"" + v->name + "\", \"label\": \"" + o.label +
+          "\", \"world\": " + std::to_string(ranks) + ", \"mesh\": \"" + std::to_string(replicate) +
+          "x" + std::to_string(shard) + "\", \"steps\": " + std::to_string(v->times.size()) +
+          ", \"error\": null, \"copied_bytes\": " + std::to_string(v->copied_bytes) +
+          ", \"copied_bytes_comm\": " + std::to_string(v->copied_bytes_comm);
+      int64_t local_numel = 0;
+      for (const auto& p : v->module->parameters()) local_numel += p.numel();
+      out += ", \"local_params\": " + std::to_string(local_numel);
+      for (int64_t column : {0, 1}) {
+        out += column == 0 ? ", \"peak_rss_mib\": [" : ", \"base_rss_mib\": [";
+        for (int64_t r = 0; r < ranks; ++r) {
+          out += (r ? ", " : "") + json_number(all_rss[r][column].item<double>());
+        }
+        out += "]";
+      }
+      const char* keys[] = {"fwd", "bwd", "opt", "step"};
+      for (int c = 0; c < 4; ++c) {
+        std::vector<double> col;
+        for (const auto& t : v->times) col.push_back(t[c]);
+        out += ", \"" + std::string(keys[c]) + "_ms\": " + json_number(quantile(col, 0.5));
+        // The spread of the step time shows how noisy the machine was.
+        if (c == 3) {
+          out += ", \"step_p25_ms\": " + json_number(quantile(col, 0.25)) +
+                 ", \"step_p75_ms\": " + json_number(quantile(col, 0.75));
+        }
+      }
+      std::printf("%s}\n", out.c_str());
+    }
+    std::fflush(stdout);
+  }
+  hp::barrier(all).wait();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  g_main_thread = std::this_thread::get_id();
+  at::set_num_threads(1);  // ranks share the machine's cores
+  try {
+    return run(parse_args(argc, argv));
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "hp_bench: error: %s\n", error.what());
+    return 1;
+  }
+}
