@@ -50,6 +50,37 @@ HP_DIST_TEST(Collectives, ReduceScatterSumAndAvg, 1, 2, 3, 4) {
   }
 }
 
+HP_DIST_TEST(Collectives, ReduceScatterMaxAndMin, 1, 2, 3, 4) {
+  const Group& group = world_group();
+  const int64_t chunk = 4;
+  std::vector<at::Tensor> all;
+  for (int64_t r = 0; r < group.size(); ++r) {
+    all.push_back(contribution(r, chunk * group.size(), at::kFloat) * (r % 2 ? -1 : 1));
+  }
+  const at::Tensor stacked = torch::stack(all);
+  const std::vector<std::pair<ReduceOp, at::Tensor>> cases = {
+      {ReduceOp::kMax, std::get<0>(stacked.max(0))},
+      {ReduceOp::kMin, std::get<0>(stacked.min(0))},
+  };
+  for (const auto& [op, full] : cases) {
+    at::Tensor out = torch::empty({chunk});
+    reduce_scatter(out, all[group.rank()], op, group).wait();
+    EXPECT_TRUE(torch::equal(out, full.narrow(0, group.rank() * chunk, chunk))) << to_string(op);
+  }
+}
+
+// bf16 partial sums are kept in fp32 and rounded once: 256 + 1 + 1 + 1 is 259 -> 260 in
+// bf16, where adding in bf16 one rank after the other would stay at 256.
+HP_DIST_TEST(Collectives, ReduceScatterRoundsBf16SumOnce, 4) {
+  const Group& group = world_group();
+  const int64_t chunk = 2;
+  const float value = group.rank() == 0 ? 256.0f : 1.0f;
+  at::Tensor input = torch::full({chunk * group.size()}, value, torch::kBFloat16);
+  at::Tensor out = torch::empty({chunk}, torch::kBFloat16);
+  reduce_scatter(out, input, ReduceOp::kSum, group).wait();
+  EXPECT_TRUE(torch::equal(out.to(at::kFloat), torch::full({chunk}, 260.0f))) << out;
+}
+
 HP_DIST_TEST(Collectives, AllReduceOps, 1, 2, 3, 4) {
   const Group& group = world_group();
   for (auto dtype : kDtypes) {

@@ -54,27 +54,26 @@ std::string joined(const std::vector<std::string>& lines) {
 HP_DIST_TEST(Schedule, ForwardAndBackwardOrderMatchesTheDesign, 4) {
   const Run run = traced_step(/*implicit_prefetch=*/true);
   const std::vector<std::string> expected = {
-      // Forward: unshard this block (waiting for its prefetch), prefetch the next one,
-      // compute, reshard at once.
-      "forward begin root", "AG issue root", "AG wait root", "AG done root",
-      "AG issue blocks.0",  // prefetch
-      "forward begin blocks.0", "AG wait blocks.0", "AG done blocks.0", "AG issue blocks.1",
+      // Forward: issue this block's all-gather (unless prefetched) and the next one's,
+      // then wait for this one; compute; reshard at once.
+      "forward begin root", "AG issue root", "AG issue blocks.0", "AG wait root", "AG done root",
+      "forward begin blocks.0", "AG issue blocks.1", "AG wait blocks.0", "AG done blocks.0",
       "forward end blocks.0",  //
-      "forward begin blocks.1", "AG wait blocks.1", "AG done blocks.1", "AG issue blocks.2",
+      "forward begin blocks.1", "AG issue blocks.2", "AG wait blocks.1", "AG done blocks.1",
       "forward end blocks.1",  //
-      "forward begin blocks.2", "AG wait blocks.2", "AG done blocks.2", "AG issue blocks.3",
+      "forward begin blocks.2", "AG issue blocks.3", "AG wait blocks.2", "AG done blocks.2",
       "forward end blocks.2",  //
       "forward begin blocks.3", "AG wait blocks.3", "AG done blocks.3", "forward end blocks.3",
       "forward end root",
       // Backward: the root (kept unsharded) prefetches the last block.
-      "backward begin root", "AG issue blocks.3", "backward begin blocks.3", "AG wait blocks.3",
-      "AG done blocks.3", "AG issue blocks.2",
+      "backward begin root", "AG issue blocks.3", "backward begin blocks.3", "AG issue blocks.2",
+      "AG wait blocks.3", "AG done blocks.3",
       // Post-backward pipeline: (1) wait the previous reduce-scatter, (2) apply it for
       // pure FSDP, (3) issue this one, (4) issue the previous all-reduce.
-      "backward end blocks.3", "RS issue blocks.3", "backward begin blocks.2", "AG wait blocks.2",
-      "AG done blocks.2", "AG issue blocks.1", "backward end blocks.2", "RS wait blocks.3",
+      "backward end blocks.3", "RS issue blocks.3", "backward begin blocks.2", "AG issue blocks.1",
+      "AG wait blocks.2", "AG done blocks.2", "backward end blocks.2", "RS wait blocks.3",
       "RS done blocks.3", "RS issue blocks.2", "AR issue blocks.3", "backward begin blocks.1",
-      "AG wait blocks.1", "AG done blocks.1", "AG issue blocks.0", "backward end blocks.1",
+      "AG issue blocks.0", "AG wait blocks.1", "AG done blocks.1", "backward end blocks.1",
       "RS wait blocks.2", "RS done blocks.2", "RS issue blocks.1", "AR issue blocks.2",
       "backward begin blocks.0", "AG wait blocks.0", "AG done blocks.0", "backward end blocks.0",
       "RS wait blocks.1", "RS done blocks.1", "RS issue blocks.0", "AR issue blocks.1",

@@ -27,7 +27,8 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
 
 // output (contiguous, numel = input numel / group size) <- this rank's chunk of the
 // element-wise reduction of all inputs (flat, chunked in group-rank order).
-// kAvg divides by the group size (Gloo's own AVG silently sums: it is not used).
+// kAvg divides by the group size (Gloo's own AVG silently sums: it is not used). On
+// Gloo it runs as an all-to-all plus a local reduction, half the traffic of Gloo's own.
 CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
                           const Group& group);
 

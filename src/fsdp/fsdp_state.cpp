@@ -138,6 +138,20 @@ FSDPState* FSDPState::implicit_backward_prefetch_target() {
   return nullptr;
 }
 
+void FSDPState::unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>>& explicit_list,
+                                      FSDPState* implicit_next) {
+  // This module's all-gather (unless a prefetch issued it already) and the prefetch are
+  // both issued before waiting: the prefetch then starts as soon as the first one is
+  // done, not after this thread has woken up and come back here.
+  group_->unshard(/*async=*/true);
+  if (!explicit_list.empty()) {
+    for_each_live(explicit_list, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+  } else if (implicit_next) {
+    implicit_next->group_->unshard(/*async=*/true);
+  }
+  group_->wait_for_unshard();
+}
+
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (!initialized()) lazy_init_as_root();
   if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
@@ -152,13 +166,8 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   }
   if (root) root->forward_order_.push_back(weak_from_this());
   trace::record(trace::Kind::kBegin, "forward", label_);
-  group_->unshard(/*async=*/false);
   // Forward prefetch: the next module's all-gather runs while this one computes.
-  if (!forward_prefetch_.empty()) {
-    for_each_live(forward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
-  } else if (FSDPState* next = implicit_forward_prefetch_target()) {
-    next->group_->unshard(/*async=*/true);
-  }
+  unshard_then_prefetch(forward_prefetch_, implicit_forward_prefetch_target());
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
   if (c10::GradMode::is_enabled() && register_post_backward_hook(inputs, weak_from_this())) {
     ++post_backward_hooks_pending_;
@@ -194,14 +203,9 @@ void FSDPState::pre_backward() {
   }
   trace::record(trace::Kind::kBegin, "backward", label_);
   group_->stash_replicated_grads();
-  group_->unshard(/*async=*/false);
   // Backward prefetch: the next module (in backward order) gathers during this
   // module's backward.
-  if (!backward_prefetch_.empty()) {
-    for_each_live(backward_prefetch_, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
-  } else if (FSDPState* next = implicit_backward_prefetch_target()) {
-    next->group_->unshard(/*async=*/true);
-  }
+  unshard_then_prefetch(backward_prefetch_, implicit_backward_prefetch_target());
 }
 
 void FSDPState::post_backward_hook_fired() {

@@ -17,6 +17,19 @@ constexpr int64_t kSlotAlignmentBytes = 512;
 // still referenced somewhere.
 void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageImpl()->reset(); }
 
+// Zeroes the alignment padding between the slots of a fused buffer (the columns of
+// `rows`, one row per rank or a single row): it is reduced along with the slots. The
+// slots themselves are overwritten in full.
+void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offsets,
+                        const std::vector<FSDPParam*>& params) {
+  const int64_t total = rows.size(-1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t end = offsets[i] + params[i]->layout().padded_numel;
+    const int64_t next = i + 1 < params.size() ? offsets[i + 1] : total;
+    if (next > end) rows.narrow(-1, end, next - end).zero_();
+  }
+}
+
 }  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
@@ -219,13 +232,14 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
     total += (p->layout().padded_numel + align - 1) / align * align;
   }
   const at::TensorOptions options = grads.front().options().dtype(dtype);
-  r.buffer = at::zeros({total}, options);
+  r.buffer = at::empty({total}, options);
   const Group& reduce = *comm_.shard_reduce;
   const int64_t world = reduce.size();
   if (comm_fusion_ && world > 1) {
     // One reduce-scatter: rank-major input laid out like the buffer, so its output
     // lands in the buffer as is.
-    at::Tensor input = at::zeros({world, total}, options);
+    at::Tensor input = at::empty({world, total}, options);
+    zero_between_slots(input, r.offsets, r.params);
     for (size_t i = 0; i < r.params.size(); ++i) {
       ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
       const int64_t n = r.params[i]->layout().padded_numel;
@@ -236,6 +250,7 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
     r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, reduce));
     return;
   }
+  zero_between_slots(r.buffer, r.offsets, r.params);
   for (size_t i = 0; i < r.params.size(); ++i) {
     ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
     at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);

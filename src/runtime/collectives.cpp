@@ -55,6 +55,41 @@ void check_peer(int64_t peer, const Group& group, const char* op) {
               group.name() + "' of size " + std::to_string(group.size()));
 }
 
+// Gloo's reduce-scatter (torch 2.6) clones the whole input and all-reduces it: every
+// rank sends and receives 2(n-1)/n of the input. Sending each chunk straight to its
+// owner (all-to-all) moves (n-1)/n, half of that, with no clone; the owner then reduces
+// the n chunks it received, in group-rank order (deterministic), accumulating reduced
+// precision floats in fp32.
+CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat, ReduceOp op,
+                                        c10d::Backend& backend, int64_t group_size) {
+  at::Tensor received = at::empty_like(in_flat);
+  std::vector<int64_t> equal_splits;
+  auto work = backend.alltoall_base(received, in_flat, equal_splits, equal_splits);
+  return CommHandle::from_work(std::move(work), [=]() mutable {
+    const at::Tensor by_source = received.view({group_size, out_flat.numel()});
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: {
+        const bool reduced_float = at::isReducedFloatingType(out_flat.scalar_type());
+        if (reduced_float) {
+          out_flat.copy_(at::sum(by_source, {0}, /*keepdim=*/false, at::kFloat));
+        } else {
+          at::sum_out(out_flat, by_source, {0});
+        }
+        if (op == ReduceOp::kAvg) out_flat.div_(group_size);
+        break;
+      }
+      case ReduceOp::kMax:
+        at::amax_out(out_flat, by_source, {0});
+        break;
+      case ReduceOp::kMin:
+        at::amin_out(out_flat, by_source, {0});
+        break;
+    }
+    received = at::Tensor();  // the receive buffer goes as soon as it is reduced
+  });
+}
+
 }  // namespace
 
 ReduceOp parse_reduce_op(const std::string& name) {
@@ -120,9 +155,13 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
   }
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
+  c10d::Backend& backend = backend_for(group, input);
+  if (backend.getBackendName() == "gloo") {
+    return reduce_scatter_by_all_to_all(out_flat, in_flat, op, backend, group.size());
+  }
   c10d::ReduceScatterOptions options;
   options.reduceOp = backend_op(op);
-  auto work = backend_for(group, input)._reduce_scatter_base(out_flat, in_flat, options);
+  auto work = backend._reduce_scatter_base(out_flat, in_flat, options);
   return CommHandle::from_work(std::move(work), average_after(op, output, group.size()));
 }
 
