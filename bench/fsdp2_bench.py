@@ -255,6 +255,7 @@ def main():
                 continue
             dist.barrier()
             try:
+                c0 = time.process_time()  # CPU time of all threads of this process
                 t0 = time.perf_counter()
                 v["opt"].zero_grad(set_to_none=True)
                 loss = loss_of(v["model"], x, y)
@@ -263,10 +264,11 @@ def main():
                 t2 = time.perf_counter()
                 v["opt"].step()
                 t3 = time.perf_counter()
+                c3 = time.process_time()
             except Exception as e:  # noqa: BLE001 -- reported, not hidden
                 v["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
-            t = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0], dtype=torch.float64)
+            t = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if step >= args.warmup:
                 v["times"].append(t.tolist())
@@ -291,7 +293,7 @@ def main():
             }
             if v["times"]:
                 cols = list(zip(*v["times"]))
-                for key, col in zip(["fwd", "bwd", "opt", "step"], cols):
+                for key, col in zip(["fwd", "bwd", "opt", "step", "cpu"], cols):
                     res[key + "_ms"] = round(1000 * statistics.median(col), 3)
                 if len(cols[3]) >= 2:  # the spread shows how noisy the machine was
                     q = statistics.quantiles(cols[3], n=4, method="inclusive")

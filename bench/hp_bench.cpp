@@ -13,12 +13,15 @@
 //                  model, module by module, each waited before the next, no compute.
 //                  Its step time is the serial communication time of a step.
 //                  comm:keep: the same for reshard_after_forward = false (no all-gather
-//                  in backward).
+//                  in backward). comm:keep+gloo: with Gloo's own reduce-scatter (an
+//                  all-reduce of the whole input), as FSDP2 on Gloo runs it.
 //   hp[:flags]     fully_shard on every block and the root; flags (joined by "+"):
 //                    fusion   options.comm_fusion = true
 //                    nopf     root.set_implicit_prefetch(false)
 //                    keep     options.reshard_after_forward = false
 // Rank 0 prints one "RESULT {json}" line per variant (bench/report.py reads them).
+// --trace DIR records the last timed step of every hp variant on every rank as
+// DIR/<variant>_rank<R>.json (Chrome trace) and .svg (timeline picture).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
@@ -26,9 +29,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -36,12 +42,14 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
+#include "hyperparallel/trace.h"
 #include "models/transformer.h"
 
 namespace {
@@ -56,6 +64,7 @@ struct Options {
   int64_t steps = 8, warmup = 2;
   std::string variants = "local,ddp,hp";
   std::string label;
+  std::string trace_dir;  // empty: no trace
   bool count_copies = true;
 };
 
@@ -93,6 +102,8 @@ Options parse_args(int argc, char** argv) {
       o.variants = value();
     else if (arg == "--label")
       o.label = value();
+    else if (arg == "--trace")
+      o.trace_dir = value();
     else if (arg == "--no-copy-count")
       o.count_copies = false;
     else if (arg == "--mesh") {
@@ -183,9 +194,10 @@ struct Variant {
   // comm: replaces forward and backward; returns {forward ms, backward ms}.
   std::function<std::array<double, 2>()> comm_step;
   std::unique_ptr<torch::optim::AdamW> optimizer;
-  std::vector<std::array<double, 4>> times;  // fwd, bwd, opt, step (max over ranks)
-  int64_t copied_bytes = -1;                 // main thread
-  int64_t copied_bytes_comm = -1;            // other threads (Gloo)
+  // fwd, bwd, opt, step, CPU time of the process (all threads): max over ranks
+  std::vector<std::array<double, 5>> times;
+  int64_t copied_bytes = -1;       // main thread
+  int64_t copied_bytes_comm = -1;  // other threads (Gloo)
 };
 
 std::string json_number(double v) {
@@ -200,7 +212,8 @@ std::string json_number(double v) {
 // forward; the blocks do if `reshard_after_forward` (then backward all-gathers again).
 std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
                                                       const hp::DeviceMesh& mesh,
-                                                      bool reshard_after_forward) {
+                                                      bool reshard_after_forward,
+                                                      bool gloo_reduce_scatter) {
   std::vector<std::vector<at::Tensor>> modules(1);  // [0]: the root's own parameters
   std::shared_ptr<torch::nn::Module> layers;
   for (const auto& child : model.named_children()) {
@@ -229,7 +242,14 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     }
     for (auto& h : handles) h.wait();
   };
-  auto reduce = [shard, replicate, w, shard_numel](const std::vector<at::Tensor>& params) {
+  auto reduce_scatter = [shard, gloo_reduce_scatter](at::Tensor out, at::Tensor in) {
+    if (!gloo_reduce_scatter || shard->size() == 1) {
+      return hp::reduce_scatter(out, in, hp::ReduceOp::kSum, *shard);
+    }
+    return hp::CommHandle::from_work(
+        shard->backend(c10::DeviceType::CPU)._reduce_scatter_base(out, in, {}));
+  };
+  auto reduce = [reduce_scatter, replicate, w, shard_numel](const std::vector<at::Tensor>& params) {
     std::vector<hp::CommHandle> handles;
     std::vector<at::Tensor> keep;
     int64_t total = 0;
@@ -238,8 +258,7 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     int64_t offset = 0;
     for (const auto& p : params) {
       keep.push_back(torch::ones({w * shard_numel(p)}));
-      handles.push_back(hp::reduce_scatter(buffer.narrow(0, offset, shard_numel(p)), keep.back(),
-                                           hp::ReduceOp::kSum, *shard));
+      handles.push_back(reduce_scatter(buffer.narrow(0, offset, shard_numel(p)), keep.back()));
       offset += shard_numel(p);
     }
     for (auto& h : handles) h.wait();
@@ -262,6 +281,25 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     };
     return std::array<double, 2>{ms(t0, t1), ms(t1, t2)};
   };
+}
+
+void write_trace(const Options& o, const std::string& variant, int64_t rank,
+                 const std::vector<hp::trace::Event>& events) {
+  std::filesystem::create_directories(o.trace_dir);
+  std::string name = variant;
+  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  const std::string path = o.trace_dir + "/" + name + "_rank" + std::to_string(rank);
+  std::ofstream(path + ".json") << hp::trace::to_chrome_json(events, static_cast<int>(rank));
+  std::ofstream(path + ".svg") << hp::trace::to_svg(
+      events, "hp_bench " + variant + " " + o.label + ", one step, rank " + std::to_string(rank));
+}
+
+// CPU time used by all threads of this process (main thread, Gloo workers, kernel work
+// done on their behalf), in ms.
+double process_cpu_ms() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) * 1e-6;
 }
 
 // Linear interpolation between order statistics (numpy's default); q = 0.5: the median.
@@ -339,7 +377,9 @@ int run(const Options& o) {
       variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
     }
     if (root && has("nopf")) root->set_implicit_prefetch(false);
-    if (kind == "comm") variant->comm_step = comm_only_step(*variant->module, mesh, !has("keep"));
+    if (kind == "comm") {
+      variant->comm_step = comm_only_step(*variant->module, mesh, !has("keep"), has("gloo"));
+    }
     if (kind == "ddp") {
       std::vector<at::Tensor> params = variant->module->parameters();
       variant->after_backward = [params, &all, ranks] {
@@ -404,13 +444,19 @@ int run(const Options& o) {
     for (size_t k = 0; k < n; ++k) {
       Variant& v = *variants[(step + k) % n];
       hp::barrier(all).wait();
+      const bool traced =
+          !o.trace_dir.empty() && step + 1 == o.warmup + o.steps && v.name.starts_with("hp");
+      if (traced) hp::trace::start();
+      const double cpu_before = process_cpu_ms();
       const std::array<double, 4> t = train_step(v, x, y);
+      const double cpu = process_cpu_ms() - cpu_before;
+      if (traced) write_trace(o, v.name, rank, hp::trace::stop());
       // The slowest rank sets the pace of a step.
-      at::Tensor times = torch::tensor({t[0], t[1], t[2], t[3]}, torch::kDouble);
+      at::Tensor times = torch::tensor({t[0], t[1], t[2], t[3], cpu}, torch::kDouble);
       hp::all_reduce(times, hp::ReduceOp::kMax, all).wait();
       if (step >= o.warmup) {
         auto a = times.accessor<double, 1>();
-        v.times.push_back({a[0], a[1], a[2], a[3]});
+        v.times.push_back({a[0], a[1], a[2], a[3], a[4]});
       }
     }
   }
@@ -455,8 +501,8 @@ int run(const Options& o) {
         }
         out += "]";
       }
-      const char* keys[] = {"fwd", "bwd", "opt", "step"};
-      for (int c = 0; c < 4; ++c) {
+      const char* keys[] = {"fwd", "bwd", "opt", "step", "cpu"};
+      for (int c = 0; c < 5; ++c) {
         std::vector<double> col;
         for (const auto& t : v->times) col.push_back(t[c]);
         out += ", \"" + std::string(keys[c]) + "_ms\": " + json_number(quantile(col, 0.5));

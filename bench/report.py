@@ -23,6 +23,7 @@ ROWS = [
     ("C++", "local", "compute only, no communication (C++)"),
     ("C++", "comm", "communication only, serial, RAF=true (C++)"),
     ("C++", "comm:keep", "communication only, serial, RAF=false (C++)"),
+    ("C++", "comm:keep+gloo", "communication only, serial, RAF=false, Gloo reduce-scatter (C++)"),
     ("C++", "ddp", "DDP baseline: replicated, one flat all-reduce"),
     ("C++", "hp", "hp per-param, prefetch, RAF=true (defaults)"),
     ("C++", "hp:fusion", "hp comm_fusion, prefetch, RAF=true"),
@@ -469,12 +470,14 @@ def main():
         p()
 
     # ------------------------------------------------------------------ bandwidth-limited
-    label = "netns/d128L4/1x2"
+    label = "netns/d128L8/1x2"
     if any(r.get("label") == label for r in rep.results):
         p("## Bandwidth-limited run")
         p()
         p(
-            "Dimension 128, 4 layers, 2 ranks (FSDP). Each rank runs in its own network "
+            "Dimension 128, **8 layers**, **4 sequences of 64 tokens per rank** (more compute "
+            "per block than the step-time runs, so that each block's compute exceeds its "
+            "communication at this rate), 2 ranks (FSDP). Each rank runs in its own network "
             "namespace; a veth pair per rank and a bridge join them, and each rank's egress "
             f"is shaped by `tc tbf` to **{args.rate}** (`bench/netns.sh`), so communication "
             "is bound by the link instead of loopback memcpy. `communication only` is the "
@@ -486,23 +489,30 @@ def main():
             "`communication only`: 1 means the shorter of the two is hidden completely, 0 "
             "means they ran one after the other (when communication is the shorter, it is the "
             "fraction of communication hidden). FSDP2 rows use the Python compute-only time "
-            "and the C++ RAF=false communication (the same bytes on Gloo)."
+            "and the RAF=false communication with Gloo's own reduce-scatter, which FSDP2 "
+            "uses (`communication only, Gloo reduce-scatter`: the same bytes). `CPU ms` is the "
+            "CPU time of the whole process during a step (all threads: model, hooks, Gloo "
+            "workers, kernel TCP work charged to them), max over ranks."
         )
         p()
-        p("| variant | fwd ms | bwd ms | step ms (p25–p75) | exposed comm ms | overlap efficiency |")
-        p("|---|---:|---:|---:|---:|---:|")
+        p("| variant | fwd ms | bwd ms | step ms (p25–p75) | CPU ms | exposed comm ms | overlap efficiency |")
+        p("|---|---:|---:|---:|---:|---:|---:|")
         comm, comm_keep = find(label, "C++", "comm"), find(label, "C++", "comm:keep")
+        comm_gloo = find(label, "C++", "comm:keep+gloo")
         effs = []
         for src, variant, title in ROWS:
             r = find(label, src, variant)
             if r is None:
                 continue
             if not ok(r):
-                p(f"| {title} | failed: {r.get('error')} |||||")
+                p(f"| {title} | failed: {r.get('error')} ||||||")
                 continue
             local = find(label, src, "local")
             t_comp = fwd_bwd(local)
-            t_comm = fwd_bwd(comm_keep if ("keep" in variant or src == "Python") else comm)
+            if src == "Python":
+                t_comm = fwd_bwd(comm_gloo)
+            else:
+                t_comm = fwd_bwd(comm_keep if "keep" in variant else comm)
             exposed = eff = None
             if not variant.startswith(("local", "comm")) and t_comp:
                 exposed = fwd_bwd(r) - t_comp
@@ -511,7 +521,7 @@ def main():
                     effs.append((src, variant, eff))
             p(
                 f"| {title} | {fmt(r['fwd_ms'])} | {fmt(r['bwd_ms'])} | {step_cell(r)} | "
-                f"{fmt(exposed)} | {fmt(eff, 2)} |"
+                f"{fmt(r.get('cpu_ms'))} | {fmt(exposed)} | {fmt(eff, 2)} |"
             )
         p()
         hl = find(label, "C++", "local")
@@ -519,8 +529,18 @@ def main():
             p(
                 f"Per phase: forward compute {fmt(hl['fwd_ms'])} ms vs forward communication "
                 f"{fmt(comm['fwd_ms'])} ms; backward compute {fmt(hl['bwd_ms'])} ms vs backward "
-                f"communication {fmt(comm['bwd_ms'])} ms (RAF=true)."
+                f"communication {fmt(comm['bwd_ms'])} ms (RAF=true). Communication alone keeps "
+                f"the CPU busy for {fmt(comm.get('cpu_ms'))} ms of its {fmt(comm['step_ms'])} ms "
+                "step: that part is work on the cores that compute, which overlap cannot hide."
             )
+            p()
+        if os.path.exists(os.path.join(os.path.dirname(args.out), "timeline_bandwidth_limited.svg")):
+            p(
+                "The last timed step of `hp comm_fusion` on rank 1, recorded with `hp_bench "
+                "--trace` (pale: a collective in flight, dark: the main thread waiting for it):"
+            )
+            p()
+            p("![timeline of the bandwidth-limited run](timeline_bandwidth_limited.svg)")
             p()
         for src, variant, eff in effs:
             if src == "C++":
@@ -574,14 +594,14 @@ deterministic and explains much of the loopback cost:
   one full-size copy on a Gloo thread: the "+" part of the column is exactly one full
   model per all-gather round (2 rounds with RAF=true, 1 with RAF=false).
 - `_reduce_scatter_base` is `reduce_scatter_tensor_coalesced`, which clones the input,
-  **all-reduces** the whole clone and copies this rank's chunk out when the work is
-  waited (on the waiting thread: part of the main-thread column). A reduce-scatter on
-  Gloo therefore sends as many bytes as an all-reduce, 2(W-1)/W of the gradient per rank
-  instead of (W-1)/W, and ignores the requested reduce op (always SUM; both libraries
-  divide themselves). With RAF=true a fully-sharded step on Gloo sends about twice the
-  bytes of DDP (two all-gathers plus an all-reduce-sized reduce-scatter vs one
-  all-reduce); that holds for FSDP2 on Gloo as well. On this backend sharding buys
-  memory, not speed, and the DDP baseline is hard to beat.
+  **all-reduces** the whole clone and copies this rank's chunk out: it sends as many bytes
+  as an all-reduce, 2(W-1)/W of the gradient per rank instead of (W-1)/W, and ignores the
+  requested reduce op. FSDP2 on Gloo pays this. HyperParallel's `hp::reduce_scatter`
+  does not use it on Gloo: it sends each chunk straight to its owner (`alltoall_base`,
+  no clone; (W-1)/W of the gradient) and the owner sums the W chunks it received, in
+  rank order, accumulating bf16/fp16 in fp32. With RAF=true a fully-sharded step then
+  sends 1.5x the bytes of DDP (two all-gathers and a reduce-scatter vs one all-reduce),
+  FSDP2 on Gloo 2x.
 - comm_fusion adds the copy-in / copy-out that the per-parameter mode avoids (the
   seed's argument for per-parameter collectives) plus one full-size copy for the
   reduce-scatter input: the main-thread part of the copied column grows by about 3
@@ -591,16 +611,18 @@ deterministic and explains much of the loopback cost:
   the two wins depends on the block size and on how loaded the machine is; the ratios
   table shows it per configuration.
 
-**Where the bandwidth-limited backward loses time** (from a timeline of one step with
-`hp::trace`, not part of `make bench`): (1) the first all-gathers of a step (root, first
-block) wait on the link before anything can compute; (2) after the last block, the last
-reduce-scatters (the last block's and the root's) have nothing left to overlap with;
-(3) in between, step 1 of the 4-step pipeline waits for the previous module's
-reduce-scatter on the main thread; when the link is slower than the backward compute of
-a block, that wait stalls compute; and on Gloo every reduce-scatter is all-reduce-sized,
-so the backward moves about three shards' worth per block against one in forward;
-(4) both ranks stall now and then for 100 ms or more (scheduling or TCP recovery on the
-shared host); the median hides most of these.
+**Where the bandwidth-limited run loses time** (the timeline above): (1) the first
+all-gathers of a step (root, first block) wait on the link before anything can compute,
+and (2) the last reduce-scatters (the first block's and the root's, whose embedding
+gradient is complete only when backward ends) have nothing left to overlap with; both
+are fixed costs per step, which is why this run uses 8 blocks. (3) Communication is
+not free for the CPU (the `CPU ms` column): Gloo's threads and the kernel's TCP and veth
+work run on the two cores that compute, so compute in an overlapped step is slower than
+in the compute-only step, and that difference counts as exposed communication in the
+efficiency. The per-parameter mode issues 9 collectives per block where comm_fusion
+issues 1, and each costs CPU time of its own. (4) The two ranks do not compute at the
+same speed on the shared host; the faster one waits for the slower one inside the
+collectives (dark parts in the middle of the reduce-scatter lane).
 
 **Scheduling overhead.** On one rank, with no collective at all, HyperParallel's cost per
 block (`Sharded<M>::operator()`, the hooks, the unshard state machine, the reduction
@@ -612,11 +634,10 @@ comm_fusion (also 3) comes close to the ratio of the 1-rank case.
 
 **What would change the picture** (not done here): an optimised BLAS
 (`libopenblas0-pthread` in the build root makes compute several times faster, so
-communication becomes a larger share of a step), one core per rank, bf16 parameters
-(`--mp bf16` in the demo halves the all-gather bytes), and a reduce-scatter that is not
-an all-reduce (NCCL; or, on Gloo, an all-to-all of the gradient chunks followed by a
-local sum, which sends (W-1)/W of the gradient like a real reduce-scatter; not measured
-reliably here).
+communication becomes a larger share of a step), one core per rank plus cores for
+communication, bf16 parameters (`--mp bf16` in the demo halves the all-gather bytes),
+and NCCL on GPUs, where collectives run on their own engines instead of the cores that
+compute.
 """
 
 if __name__ == "__main__":
