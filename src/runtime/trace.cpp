@@ -96,15 +96,36 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
   return spans;
 }
 
-std::string escape(const std::string& text) {
+// Module names come from the user's model: quoted for the format they are written in.
+std::string json_escape(const std::string& text) {
   std::string out;
   for (char c : text) {
     if (c == '"' || c == '\\') out += '\\';
-    if (c == '<') {
-      out += "&lt;";
-      continue;
-    }
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
     out += c;
+  }
+  return out;
+}
+
+std::string xml_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
   }
   return out;
 }
@@ -154,11 +175,11 @@ std::string to_chrome_json(const std::vector<Event>& events, int rank) {
     first = false;
   }
   for (const Span& s : spans_of(events)) {
-    out << ",{\"name\":\"" << escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
+    out << ",{\"name\":\"" << json_escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
         << ",\"tid\":" << s.lane << ",\"ts\":" << s.begin << ",\"dur\":" << (s.end - s.begin)
         << "}";
     if (s.wait_begin >= 0) {
-      out << ",{\"name\":\"wait " << escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
+      out << ",{\"name\":\"wait " << json_escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
           << ",\"tid\":" << s.lane << ",\"ts\":" << s.wait_begin
           << ",\"dur\":" << (s.end - s.wait_begin) << "}";
     }
@@ -179,7 +200,7 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
   out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20 << "\" height=\""
       << top + 4 * lane_height + 40 << "\" font-family=\"sans-serif\" "
       << "font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      << "<text x=\"10\" y=\"20\" font-size=\"14\">" << escape(title) << "</text>\n";
+      << "<text x=\"10\" y=\"20\" font-size=\"14\">" << xml_escape(title) << "</text>\n";
   for (int lane = 0; lane < 4; ++lane) {
     const double y = top + lane * lane_height;
     out << "<text x=\"10\" y=\"" << y + 20 << "\">" << lanes[lane] << "</text>\n"
@@ -188,18 +209,19 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
   }
   for (const Span& s : spans) {
     // The root's compute span encloses the blocks' spans: draw it as a thin bar above.
+    // A white outline keeps back-to-back spans (blocks of a forward) apart.
     const bool enclosing = s.lane == 0 && s.label == "root";
     const double y = top + s.lane * lane_height + (enclosing ? 0 : 4);
     const double height = enclosing ? 3 : lane_height - 8;
     std::snprintf(buffer, sizeof(buffer),
                   "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\" "
-                  "fill-opacity=\"0.55\" stroke=\"%s\"><title>%s %.0f us</title></rect>\n",
+                  "fill-opacity=\"0.55\" stroke=\"white\"><title>%s %.0f us</title></rect>\n",
                   x(s.begin), y, std::max(0.5, x(s.end) - x(s.begin)), height, s.color.c_str(),
-                  s.color.c_str(), escape(s.label).c_str(), s.end - s.begin);
+                  xml_escape(s.label).c_str(), s.end - s.begin);
     out << buffer;
     if (!enclosing && x(s.end) - x(s.begin) > 7.0 * s.label.size()) {
       std::snprintf(buffer, sizeof(buffer), "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
-                    x(s.begin) + 3, y + height / 2 + 4, escape(s.label).c_str());
+                    x(s.begin) + 3, y + height / 2 + 4, xml_escape(s.label).c_str());
       out << buffer;
     }
     if (s.wait_begin >= 0) {
