@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "distributed_test.h"
+#include "hyperparallel/collectives.h"
 #include "hyperparallel/fully_shard.h"
 
 namespace hp::testing {
@@ -16,18 +18,44 @@ namespace hp::testing {
 // A fully_shard-ed module and the prefix of its parameters' names in the whole model.
 using ShardedParts = std::vector<std::pair<std::string, FSDPModule>>;
 
-// fully_shard every block (its names prefixed "<prefix><i>."), then the root, with the
-// same options; the root comes last in the result.
+// The single-process reference and the model to shard, built from the same seed so that
+// they start with equal parameters.
+template <typename Model>
+struct ReferenceAndModel {
+  Model reference;
+  Sharded<Model> model;
+};
+
+template <typename Model, typename... Args>
+ReferenceAndModel<Model> build_from_seed(uint64_t seed, const Args&... args) {
+  torch::manual_seed(seed);
+  Model reference(args...);
+  torch::manual_seed(seed);
+  Sharded<Model> model(args...);
+  return {reference, model};
+}
+
+// fully_shard every block (its names prefixed "<prefix><i>.") with `block_options`, then
+// the root with `root_options`; the root comes last in the result.
+template <typename Block, typename Root>
+ShardedParts shard_blocks_then_root(std::vector<Sharded<Block>>& blocks, Sharded<Root>& root,
+                                    const std::string& prefix,
+                                    const FullyShardOptions& block_options,
+                                    const FullyShardOptions& root_options) {
+  ShardedParts parts;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    parts.emplace_back(prefix + std::to_string(i) + ".", fully_shard(blocks[i], block_options));
+  }
+  parts.emplace_back("", fully_shard(root, root_options));
+  return parts;
+}
+
+// The same, with one set of options for blocks and root.
 template <typename Block, typename Root>
 ShardedParts shard_blocks_then_root(std::vector<Sharded<Block>>& blocks, Sharded<Root>& root,
                                     const std::string& prefix,
                                     const FullyShardOptions& options = {}) {
-  ShardedParts parts;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    parts.emplace_back(prefix + std::to_string(i) + ".", fully_shard(blocks[i], options));
-  }
-  parts.emplace_back("", fully_shard(root, options));
-  return parts;
+  return shard_blocks_then_root(blocks, root, prefix, options, options);
 }
 
 inline std::map<std::string, at::Tensor> full_grads(const ShardedParts& parts) {
@@ -89,6 +117,79 @@ inline void expect_all_close(const std::map<std::string, at::Tensor>& actual,
 // This data-parallel rank's slice of a global batch.
 inline at::Tensor local_batch(const at::Tensor& global, int64_t rank, int64_t ranks) {
   return global.chunk(ranks, 0)[rank];
+}
+
+// This rank's value averaged over all ranks, in the value's own dtype.
+inline at::Tensor mean_over_ranks(const at::Tensor& value) {
+  at::Tensor mean = value.detach().clone();
+  all_reduce(mean, ReduceOp::kAvg, *world()->world_group()).wait();
+  return mean;
+}
+
+// torch::mse_loss with its defaults, as a function that can be passed as a loss.
+inline at::Tensor mse_loss(const at::Tensor& output, const at::Tensor& target) {
+  return torch::mse_loss(output, target);
+}
+
+// Next-token loss: logits [batch, seq, vocab] against target token ids [batch, seq].
+inline at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              target.reshape(-1));
+}
+
+struct StepLosses {
+  at::Tensor reference;  // on the whole global batch
+  at::Tensor local;      // this rank's, on its share
+};
+
+// One backward of each model on the same global batch: `reference` on all of it, `model`
+// on this rank's share.
+template <typename Reference, typename Model, typename LossFn>
+StepLosses backward_on_global_batch(Reference& reference, Model& model, const at::Tensor& input,
+                                    const at::Tensor& target, const LossFn& loss_of) {
+  auto group = world();
+  StepLosses losses;
+  losses.reference = loss_of(reference(input), target);
+  losses.reference.backward();
+  losses.local = loss_of(model(local_batch(input, group->rank(), group->size())),
+                         local_batch(target, group->rank(), group->size()));
+  losses.local.backward();
+  return losses;
+}
+
+// `steps` AdamW steps (lr 1e-2) of `reference` on whole global batches and of `model`
+// (sharded as `parts`) on this rank's shares, each batch from `next_batch()` as
+// {input, target}. After each backward the mean loss, the global grad norm and every
+// gradient, after each step every parameter, must match within `tol`.
+// `expect_every_param_managed`: also as many sharded gradients as reference parameters.
+template <typename Reference, typename Model, typename NextBatch, typename LossFn>
+void expect_training_matches_reference(Reference& reference, Model& model,
+                                       const ShardedParts& parts, int steps,
+                                       const NextBatch& next_batch, const LossFn& loss_of,
+                                       double tol, bool expect_every_param_managed = false) {
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto [input, target] = next_batch();
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    const StepLosses losses = backward_on_global_batch(reference, model, input, target, loss_of);
+
+    EXPECT_NEAR(mean_over_ranks(losses.local).item<double>(), losses.reference.item<double>(), tol)
+        << "loss";
+    auto grads = full_grads(parts);
+    auto ref_grads = reference_grads(*reference);
+    if (expect_every_param_managed) {
+      EXPECT_EQ(grads.size(), ref_grads.size()) << "parameters managed by fully_shard";
+    }
+    EXPECT_NEAR(norm_of(grads), norm_of(ref_grads), tol) << "grad norm";
+    expect_all_close(grads, ref_grads, tol, "grad");
+
+    ref_opt.step();
+    opt.step();
+    expect_all_close(full_params(parts), reference_params(*reference), tol, "param after step");
+  }
 }
 
 }  // namespace hp::testing

@@ -69,19 +69,13 @@ TORCH_MODULE(RecordingMlp);
 template <typename Model>
 testing::ShardedParts shard_model(Model& model, const FullyShardOptions& block_options,
                                   const FullyShardOptions& root_options) {
-  testing::ShardedParts parts;
-  for (size_t i = 0; i < model->blocks.size(); ++i) {
-    parts.emplace_back("blocks." + std::to_string(i) + ".",
-                       fully_shard(model->blocks[i], block_options));
-  }
-  parts.emplace_back("", fully_shard(model, root_options));
-  return parts;
+  return testing::shard_blocks_then_root(model->blocks, model, "blocks.", block_options,
+                                         root_options);
 }
 
+// Averaged in double.
 double mean_over_ranks(const at::Tensor& value) {
-  at::Tensor t = value.detach().to(at::kDouble).reshape({1}).clone();
-  all_reduce(t, ReduceOp::kAvg, *testing::world()->world_group()).wait();
-  return t.item<double>();
+  return testing::mean_over_ranks(value.detach().to(at::kDouble).reshape({1})).item<double>();
 }
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
@@ -96,15 +90,73 @@ std::map<std::string, at::Tensor> cloned_grads(torch::nn::Module& module) {
   return grads;
 }
 
+// What FSDP with a low-precision param_dtype and an fp32 reduce_dtype must produce: each
+// rank's share of the global batch through `model` (already in `dtype`; input cast to it,
+// loss in fp32), its gradients cast to fp32 and averaged over the ranks in fp32.
+template <typename Model>
+std::map<std::string, at::Tensor> mean_of_local_fp32_grads(Model& model, const at::Tensor& x,
+                                                           const at::Tensor& y, int64_t ranks,
+                                                           c10::ScalarType dtype) {
+  std::map<std::string, at::Tensor> mean;
+  for (int64_t r = 0; r < ranks; ++r) {
+    model->zero_grad();
+    torch::mse_loss(model(testing::local_batch(x, r, ranks).to(dtype)).to(at::kFloat),
+                    testing::local_batch(y, r, ranks))
+        .backward();
+    for (const auto& [name, grad] : testing::reference_grads(*model)) {
+      at::Tensor g = grad.to(at::kFloat);
+      mean[name] = mean.count(name) ? mean[name] + g : g;
+    }
+  }
+  for (auto& [name, g] : mean) g = g / static_cast<double>(ranks);
+  return mean;
+}
+
+// Every parameter is in `param_dtype`; its gradient exists and is in `grad_dtype`.
+template <typename Model>
+void expect_param_and_grad_dtypes(Model& model, c10::ScalarType param_dtype,
+                                  c10::ScalarType grad_dtype) {
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_EQ(item.value().scalar_type(), param_dtype) << item.key();
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_EQ(item.value().grad().scalar_type(), grad_dtype) << item.key();
+  }
+}
+
+// L1_10 / L1_11: one backward of the bf16 reference on the global batch and of `model` on
+// this rank's share, whose output must come out in `output_dtype`.
+struct Bf16Step {
+  at::Tensor x, y;  // the global batch
+  at::Tensor ref_loss, loss;
+};
+
+Bf16Step bf16_backward(RecordingMlp& reference, Sharded<RecordingMlp>& model,
+                       c10::ScalarType output_dtype) {
+  auto world = testing::world();
+  const int64_t ranks = world->size(), rank = world->rank();
+  Bf16Step step;
+  torch::manual_seed(7);
+  step.x = torch::randn({kBatch, kIn});
+  step.y = torch::randn({kBatch, kOut});
+
+  // The loss is taken in fp32 on both sides: a bf16 loss near 1 is itself only resolved
+  // to 2^-8, which would make a 1e-3 comparison a coin toss.
+  step.ref_loss = torch::mse_loss(reference(step.x.to(at::kBFloat16)).to(at::kFloat), step.y);
+  step.ref_loss.backward();
+
+  at::Tensor out = model(testing::local_batch(step.x, rank, ranks));
+  EXPECT_EQ(out.scalar_type(), output_dtype) << "output dtype";
+  step.loss = torch::mse_loss(out.to(at::kFloat), testing::local_batch(step.y, rank, ranks));
+  step.loss.backward();
+  return step;
+}
+
 // --- L1_06 -------------------------------------------------------------------------
 
 HP_DIST_TEST(FullyShardPrecision, L1_06_IgnoredParams, 2) {
   auto world = testing::world();
   const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  Mlp reference(kIn, kDim, kHidden, kOut, kBlocks);
-  torch::manual_seed(42);
-  Sharded<Mlp> model(kIn, kDim, kHidden, kOut, kBlocks);
+  auto [reference, model] = testing::build_from_seed<Mlp>(42, kIn, kDim, kHidden, kOut, kBlocks);
 
   const at::Tensor ignored = model->head->weight;
   FullyShardOptions root_options;
@@ -137,13 +189,9 @@ HP_DIST_TEST(FullyShardPrecision, L1_06_IgnoredParams, 2) {
   ASSERT_GT(max_abs_diff(local_ref_grad[0], local_ref_grad[1]), 1e-3);
 
   reference->zero_grad();
-  at::Tensor ref_loss = torch::mse_loss(reference(x), y);
-  ref_loss.backward();
-
-  at::Tensor loss = torch::mse_loss(model(testing::local_batch(x, rank, ranks)),
-                                    testing::local_batch(y, rank, ranks));
-  loss.backward();
-  EXPECT_NEAR(mean_over_ranks(loss), ref_loss.item<double>(), kTol) << "loss";
+  const testing::StepLosses losses =
+      testing::backward_on_global_batch(reference, model, x, y, testing::mse_loss);
+  EXPECT_NEAR(mean_over_ranks(losses.local), losses.reference.item<double>(), kTol) << "loss";
 
   // Still whole after forward and backward (never swapped for a shard).
   EXPECT_EQ(ignored.sizes(), reference->head->weight.sizes());
@@ -177,10 +225,7 @@ bool ends_with(const std::string& text, const std::string& suffix) {
 void run_custom_placement() {
   auto world = testing::world();
   const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  Mlp reference(kIn, kDim, kHidden, kOut, kBlocks);
-  torch::manual_seed(42);
-  Sharded<Mlp> model(kIn, kDim, kHidden, kOut, kBlocks);
+  auto [reference, model] = testing::build_from_seed<Mlp>(42, kIn, kDim, kHidden, kOut, kBlocks);
 
   FullyShardOptions options;
   options.shard_placement_fn = [](const std::string& name,
@@ -233,16 +278,12 @@ void run_custom_placement() {
     SCOPED_TRACE("step " + std::to_string(step));
     at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
     ref_opt.zero_grad();
-    at::Tensor ref_loss = torch::mse_loss(reference(x), y);
-    ref_loss.backward();
-
     // The optimizer's zero_grad (set_to_none) is the ordinary way to clear gradients
     // between steps; the replicated biases must honour it like the sharded weights.
     opt.zero_grad();
-    at::Tensor loss = torch::mse_loss(model(testing::local_batch(x, rank, ranks)),
-                                      testing::local_batch(y, rank, ranks));
-    loss.backward();
-    EXPECT_NEAR(mean_over_ranks(loss), ref_loss.item<double>(), kTol) << "loss";
+    const testing::StepLosses losses =
+        testing::backward_on_global_batch(reference, model, x, y, testing::mse_loss);
+    EXPECT_NEAR(mean_over_ranks(losses.local), losses.reference.item<double>(), kTol) << "loss";
     testing::expect_all_close(testing::full_grads(parts), testing::reference_grads(*reference),
                               kTol, "grad");
 
@@ -309,12 +350,8 @@ HP_DIST_TEST(FullyShardPrecision, L1_08_CommFusionNumericalEquivalence, 2) {
 // --- L1_10 -------------------------------------------------------------------------
 
 HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
-  auto world = testing::world();
-  const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  RecordingMlp reference;
-  torch::manual_seed(42);
-  Sharded<RecordingMlp> model;
+  const int64_t ranks = testing::world()->size();
+  auto [reference, model] = testing::build_from_seed<RecordingMlp>(42);
   reference->to(at::kBFloat16);
 
   FullyShardOptions block_options;
@@ -325,17 +362,7 @@ HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
   FullyShardOptions root_options = block_options;
   root_options.mp_policy.output_dtype = at::kFloat;
   testing::ShardedParts parts = shard_model(model, block_options, root_options);
-
-  torch::manual_seed(7);
-  at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
-
-  at::Tensor ref_loss = torch::mse_loss(reference(x.to(at::kBFloat16)).to(at::kFloat), y);
-  ref_loss.backward();
-
-  at::Tensor out = model(testing::local_batch(x, rank, ranks));
-  EXPECT_EQ(out.scalar_type(), at::kFloat) << "output_dtype";
-  at::Tensor loss = torch::mse_loss(out, testing::local_batch(y, rank, ranks));
-  loss.backward();
+  const Bf16Step step = bf16_backward(reference, model, /*output_dtype=*/at::kFloat);
 
   // Inside forward every module computed with bf16 weights on bf16 inputs.
   std::vector<c10::ScalarType> weights = model->weight_dtypes, inputs = model->input_dtypes;
@@ -348,18 +375,14 @@ HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
   for (c10::ScalarType dtype : inputs) EXPECT_EQ(dtype, at::kBFloat16) << "forward input";
 
   // Sharded parameters and their gradients are back in the original fp32.
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_EQ(item.value().scalar_type(), at::kFloat) << item.key();
-    ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_EQ(item.value().grad().scalar_type(), at::kFloat) << item.key();
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_param_and_grad_dtypes(model, at::kFloat, at::kFloat));
 
   // Against the single-process bf16 run on the global batch. The grad norms differ by
   // ~7e-4 here (loss by ~6e-8): the reference rounds each weight gradient, a sum over
   // all 12 samples, to bf16 once, while FSDP rounds each rank's 6-sample partial sum to
   // bf16 and averages those in fp32. Same math, different bf16 rounding points.
   auto grads = testing::full_grads(parts);
-  EXPECT_NEAR(mean_over_ranks(loss), ref_loss.item<double>(), 1e-3) << "loss";
+  EXPECT_NEAR(mean_over_ranks(step.loss), step.ref_loss.item<double>(), 1e-3) << "loss";
   EXPECT_NEAR(testing::norm_of(grads), testing::norm_of(testing::reference_grads(*reference)), 1e-3)
       << "global grad norm";
 
@@ -370,30 +393,15 @@ HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
   torch::manual_seed(42);
   RecordingMlp per_rank;
   per_rank->to(at::kBFloat16);
-  std::map<std::string, at::Tensor> mean;
-  for (int64_t r = 0; r < ranks; ++r) {
-    per_rank->zero_grad();
-    torch::mse_loss(per_rank(testing::local_batch(x, r, ranks).to(at::kBFloat16)).to(at::kFloat),
-                    testing::local_batch(y, r, ranks))
-        .backward();
-    for (const auto& [name, grad] : testing::reference_grads(*per_rank)) {
-      at::Tensor g = grad.to(at::kFloat);
-      mean[name] = mean.count(name) ? mean[name] + g : g;
-    }
-  }
-  for (auto& [name, g] : mean) g = g / static_cast<double>(ranks);
-  testing::expect_all_close(grads, mean, kTol, "grad vs per-rank bf16 reference");
+  testing::expect_all_close(
+      grads, mean_of_local_fp32_grads(per_rank, step.x, step.y, ranks, at::kBFloat16), kTol,
+      "grad vs per-rank bf16 reference");
 }
 
 // --- L1_11 -------------------------------------------------------------------------
 
 HP_DIST_TEST(FullyShardPrecision, L1_11_MpAllBf16, 2) {
-  auto world = testing::world();
-  const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  RecordingMlp reference;
-  torch::manual_seed(42);
-  Sharded<RecordingMlp> model;
+  auto [reference, model] = testing::build_from_seed<RecordingMlp>(42);
   reference->to(at::kBFloat16);
   model->to(at::kBFloat16);
 
@@ -401,27 +409,11 @@ HP_DIST_TEST(FullyShardPrecision, L1_11_MpAllBf16, 2) {
   options.mp_policy.param_dtype = at::kBFloat16;
   options.mp_policy.reduce_dtype = at::kBFloat16;
   options.mp_policy.output_dtype = at::kBFloat16;
-  testing::ShardedParts parts = shard_model(model, options, options);
+  shard_model(model, options, options);
+  const Bf16Step step = bf16_backward(reference, model, /*output_dtype=*/at::kBFloat16);
 
-  torch::manual_seed(7);
-  at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
-
-  // The loss is taken in fp32 from the bf16 output on both sides: a bf16 loss near 1
-  // is itself only resolved to 2^-8, which would make a 1e-3 comparison a coin toss.
-  at::Tensor ref_loss = torch::mse_loss(reference(x.to(at::kBFloat16)).to(at::kFloat), y);
-  ref_loss.backward();
-
-  at::Tensor out = model(testing::local_batch(x, rank, ranks));
-  EXPECT_EQ(out.scalar_type(), at::kBFloat16) << "output dtype";
-  at::Tensor loss = torch::mse_loss(out.to(at::kFloat), testing::local_batch(y, rank, ranks));
-  loss.backward();
-
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_EQ(item.value().scalar_type(), at::kBFloat16) << item.key();
-    ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_EQ(item.value().grad().scalar_type(), at::kBFloat16) << item.key();
-  }
-  EXPECT_NEAR(mean_over_ranks(loss), ref_loss.item<double>(), 1e-3) << "loss";
+  ASSERT_NO_FATAL_FAILURE(expect_param_and_grad_dtypes(model, at::kBFloat16, at::kBFloat16));
+  EXPECT_NEAR(mean_over_ranks(step.loss), step.ref_loss.item<double>(), 1e-3) << "loss";
   for (c10::ScalarType dtype : model->weight_dtypes) EXPECT_EQ(dtype, at::kBFloat16);
 }
 
@@ -496,10 +488,7 @@ HP_DIST_TEST(FullyShardPrecision, L1_12_MpCastForwardInputsFalse, 2) {
 HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
   auto world = testing::world();
   const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  Mlp reference(kIn, kDim, kHidden, kOut, kBlocks);
-  torch::manual_seed(42);
-  Sharded<Mlp> model(kIn, kDim, kHidden, kOut, kBlocks);
+  auto [reference, model] = testing::build_from_seed<Mlp>(42, kIn, kDim, kHidden, kOut, kBlocks);
   reference->to(at::kHalf);
   model->to(at::kHalf);
 
@@ -520,19 +509,7 @@ HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
   std::vector<std::map<std::string, at::Tensor>> expected;
   std::map<std::string, at::Tensor> sum;
   for (const auto& [x, y] : batches) {
-    std::map<std::string, at::Tensor> mean;
-    for (int64_t r = 0; r < ranks; ++r) {
-      reference->zero_grad();
-      torch::mse_loss(reference(testing::local_batch(x, r, ranks).to(at::kHalf)).to(at::kFloat),
-                      testing::local_batch(y, r, ranks))
-          .backward();
-      for (const auto& [name, grad] : testing::reference_grads(*reference)) {
-        at::Tensor g = grad.to(at::kFloat);
-        mean[name] = mean.count(name) ? mean[name] + g : g;
-      }
-    }
-    for (auto& [name, g] : mean) {
-      g = g / static_cast<double>(ranks);
+    for (const auto& [name, g] : mean_of_local_fp32_grads(reference, x, y, ranks, at::kHalf)) {
       sum[name] = sum.count(name) ? sum[name] + g : g;
     }
     std::map<std::string, at::Tensor> snapshot;

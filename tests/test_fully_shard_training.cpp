@@ -28,12 +28,8 @@ struct ShardedMlp {
       prepare(*reference);
       prepare(*model);
     }
-    for (size_t i = 0; i < model->blocks.size(); ++i) {
-      parts.emplace_back("blocks." + std::to_string(i) + ".",
-                         fully_shard(model->blocks[i], options));
-    }
-    root = fully_shard(model, options);
-    parts.emplace_back("", *root);
+    parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
+    root = parts.back().second;
   }
 
   // This rank's loss on its share of batch `seed`; the reference runs the whole batch
@@ -45,6 +41,23 @@ struct ShardedMlp {
     auto world = testing::world();
     return torch::mse_loss(model(testing::local_batch(x, world->rank(), world->size())),
                            testing::local_batch(y, world->rank(), world->size()));
+  }
+
+  // `steps` AdamW steps (lr 1e-2) of both models in lockstep, step i on batch i:
+  // `after_backward` sees the gradients, `after_step` the updated parameters.
+  void train(int steps, const std::function<void()>& after_backward,
+             const std::function<void()>& after_step = {}) {
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      loss(step).backward();
+      if (after_backward) after_backward();
+      opt.step();
+      ref_opt.step();
+      if (after_step) after_step();
+    }
   }
 };
 
@@ -80,19 +93,12 @@ HP_DIST_TEST(FullyShardTraining, L2_02_FrozenParamsMixedTraining, 2) {
   };
   ShardedMlp f({}, freeze);
   const auto before = testing::full_params(f.parts);
-  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int step = 0; step < 2; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    f.loss(step).backward();
+  f.train(2, [&] {
     auto grads = testing::full_grads(f.parts);
     testing::expect_all_close(grads, testing::reference_grads(*f.reference), 1e-5, "grad");
     EXPECT_FALSE(grads["blocks.1.fc1.weight"].defined());
     EXPECT_FALSE(grads["input.weight"].defined());
-    opt.step();
-    ref_opt.step();
-  }
+  });
   const auto after = testing::full_params(f.parts);
   EXPECT_TRUE(torch::equal(after.at("blocks.1.fc2.bias"), before.at("blocks.1.fc2.bias")));
   EXPECT_TRUE(torch::equal(after.at("input.weight"), before.at("input.weight")));
@@ -111,12 +117,7 @@ HP_DIST_TEST(FullyShardTraining, OffloadKeepsShardsOnHostAndTrainsTheSame, 2) {
   options.offload_policy.offload = true;
   options.offload_policy.pin_memory = true;
   ShardedMlp f(options);
-  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int step = 0; step < 2; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    f.loss(step).backward();
+  f.train(2, [&] {
     for (const auto& p : f.model->parameters()) {
       EXPECT_TRUE(p.device().is_cpu());
       EXPECT_FALSE(p.is_pinned());
@@ -124,9 +125,7 @@ HP_DIST_TEST(FullyShardTraining, OffloadKeepsShardsOnHostAndTrainsTheSame, 2) {
     }
     testing::expect_all_close(testing::full_grads(f.parts), testing::reference_grads(*f.reference),
                               1e-5, "grad");
-    opt.step();
-    ref_opt.step();
-  }
+  });
   testing::expect_all_close(testing::full_params(f.parts), testing::reference_params(*f.reference),
                             1e-5, "param");
 }
@@ -139,20 +138,25 @@ void expect_grads_match(ShardedMlp& f) {
                             1e-5, "grad");
 }
 
+// A backward on batch 0 with `leave_unfinished(true)`, `clear_grads`, then a backward on
+// batch 1 with `leave_unfinished(false)`: the gradients must be batch 1's alone.
+void expect_cleared_between_backwards(ShardedMlp& f,
+                                      const std::function<void(bool)>& leave_unfinished,
+                                      const std::function<void()>& clear_grads) {
+  leave_unfinished(true);
+  f.loss(0).backward();
+  clear_grads();
+  f.reference->zero_grad();
+  leave_unfinished(false);
+  f.loss(1).backward();
+  expect_grads_match(f);
+}
+
 HP_DIST_TEST(FullyShardTraining, OptimizerZeroGradResetsMainGrad, 2) {
   FullyShardOptions options;
   options.mp_policy.apply_grad_on_fp32_main_grad = true;
   ShardedMlp f(options);
-  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int step = 0; step < 3; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    f.loss(step).backward();
-    expect_grads_match(f);
-    opt.step();
-    ref_opt.step();
-  }
+  f.train(3, [&] { expect_grads_match(f); });
 }
 
 HP_DIST_TEST(FullyShardTraining, OptimizerZeroGradAfterPartialGrads, 4) {
@@ -160,46 +164,37 @@ HP_DIST_TEST(FullyShardTraining, OptimizerZeroGradAfterPartialGrads, 4) {
   options.mesh = DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}});
   ShardedMlp f(options);
   torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
-  f.root->set_requires_all_reduce(false);
-  f.loss(0).backward();
-  opt.zero_grad();
-  f.reference->zero_grad();
-  f.root->set_requires_all_reduce(true);
-  f.loss(1).backward();
-  expect_grads_match(f);
+  // Without the all-reduce across replicas the first gradients are partial.
+  expect_cleared_between_backwards(
+      f, [&](bool partial) { f.root->set_requires_all_reduce(!partial); },
+      [&] { opt.zero_grad(); });
 }
 
 HP_DIST_TEST(FullyShardTraining, ZeroGradFinishesReductionsInFlight, 2) {
   ShardedMlp f;
-  f.root->set_is_last_backward(false);
-  f.loss(0).backward();  // reductions stay in flight
-  f.root->zero_grad();
-  f.reference->zero_grad();
-  f.root->set_is_last_backward(true);
-  f.loss(1).backward();
-  expect_grads_match(f);
+  // Not the last backward: its reductions stay in flight.
+  expect_cleared_between_backwards(
+      f, [&](bool in_flight) { f.root->set_is_last_backward(!in_flight); },
+      [&] { f.root->zero_grad(); });
 }
 
 // An evaluation forward (no grad) between backward and the optimizer step leaves every
 // module sharded, so the step updates all shards and the next forward sees them.
 HP_DIST_TEST(FullyShardTraining, EvalForwardBeforeStep, 2) {
   ShardedMlp f;
-  torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int step = 0; step < 2; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    f.loss(step).backward();
-    {
-      torch::NoGradGuard no_grad;
-      f.model(torch::randn({2, 5}));
-    }
-    for (const auto& part : f.parts) EXPECT_FALSE(part.second.is_unsharded());
-    opt.step();
-    ref_opt.step();
-    testing::expect_all_close(testing::full_params(f.parts),
-                              testing::reference_params(*f.reference), 1e-5, "param");
-  }
+  f.train(
+      2,
+      [&] {
+        {
+          torch::NoGradGuard no_grad;
+          f.model(torch::randn({2, 5}));
+        }
+        for (const auto& part : f.parts) EXPECT_FALSE(part.second.is_unsharded());
+      },
+      [&] {
+        testing::expect_all_close(testing::full_params(f.parts),
+                                  testing::reference_params(*f.reference), 1e-5, "param");
+      });
 }
 
 }  // namespace

@@ -8,7 +8,6 @@
 
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
-#include "hyperparallel/collectives.h"
 #include "models/transformer.h"
 
 namespace hp {
@@ -19,19 +18,7 @@ using models::TransformerConfig;
 
 // The plan's L3-01 model: 4 layers, vocab 1024, hidden 256, sequence 128.
 TransformerConfig l3_config() {
-  TransformerConfig config;
-  config.vocab = 1024;
-  config.dim = 256;
-  config.heads = 4;
-  config.layers = 4;
-  config.ffn_hidden = 688;
-  config.max_seq = 128;
-  return config;
-}
-
-at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              target.reshape(-1));
+  return {.vocab = 1024, .dim = 256, .heads = 4, .layers = 4, .ffn_hidden = 688, .max_seq = 128};
 }
 
 struct StepResult {
@@ -67,17 +54,16 @@ std::vector<StepResult> train(const std::optional<DeviceMesh>& mesh, bool check_
     at::Tensor input = tokens.narrow(1, 0, config.max_seq);
     at::Tensor target = tokens.narrow(1, 1, config.max_seq);
     opt.zero_grad();
-    at::Tensor loss =
-        cross_entropy(model(testing::local_batch(input, world->rank(), world->size())),
-                      testing::local_batch(target, world->rank(), world->size()));
+    at::Tensor loss = testing::token_cross_entropy(
+        model(testing::local_batch(input, world->rank(), world->size())),
+        testing::local_batch(target, world->rank(), world->size()));
     loss.backward();
-    at::Tensor mean_loss = loss.detach().clone();
-    all_reduce(mean_loss, ReduceOp::kAvg, *world->world_group()).wait();
+    at::Tensor mean_loss = testing::mean_over_ranks(loss);
     auto grads = testing::full_grads(parts);
     results.push_back({mean_loss.item<float>(), static_cast<float>(testing::norm_of(grads))});
     if (check_reference) {
       ref_opt->zero_grad();
-      at::Tensor ref_loss = cross_entropy(reference(input), target);
+      at::Tensor ref_loss = testing::token_cross_entropy(reference(input), target);
       ref_loss.backward();
       auto ref_grads = testing::reference_grads(*reference);
       EXPECT_NEAR(mean_loss.item<double>(), ref_loss.item<double>(), 1e-5) << "loss";
@@ -116,13 +102,8 @@ HP_DIST_TEST_WITH_TIMEOUT(FullyShardWithLlm, L3_02_LlmDecoderFsdp1DVsDdp, 300, 2
 // 60 s), losses and grad norms stay finite, parameter shapes do not change.
 HP_DIST_TEST(FullyShardWithLlm, L2_08_DynamicSequenceLength, 2) {
   auto world = testing::world();
-  TransformerConfig config;
-  config.vocab = 64;
-  config.dim = 32;
-  config.heads = 4;
-  config.layers = 2;
-  config.ffn_hidden = 40;
-  config.max_seq = 32;
+  const TransformerConfig config{
+      .vocab = 64, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 40, .max_seq = 32};
   torch::manual_seed(1);
   Sharded<Transformer> model(config);
   std::vector<FSDPModule> blocks;
@@ -135,9 +116,9 @@ HP_DIST_TEST(FullyShardWithLlm, L2_08_DynamicSequenceLength, 2) {
     SCOPED_TRACE("seq " + std::to_string(seq));
     at::Tensor tokens = torch::randint(config.vocab, {4, seq + 1});
     opt.zero_grad();
-    at::Tensor loss =
-        cross_entropy(model(testing::local_batch(tokens.narrow(1, 0, seq), world->rank(), 2)),
-                      testing::local_batch(tokens.narrow(1, 1, seq), world->rank(), 2));
+    at::Tensor loss = testing::token_cross_entropy(
+        model(testing::local_batch(tokens.narrow(1, 0, seq), world->rank(), 2)),
+        testing::local_batch(tokens.narrow(1, 1, seq), world->rank(), 2));
     loss.backward();
     EXPECT_TRUE(std::isfinite(loss.item<double>()));
     double squares = 0;

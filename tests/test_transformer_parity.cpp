@@ -7,7 +7,6 @@
 
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
-#include "hyperparallel/collectives.h"
 #include "models/transformer.h"
 
 namespace hp {
@@ -18,64 +17,26 @@ using models::TransformerConfig;
 
 constexpr double kTol = 1e-5;
 
+// ffn_hidden is odd: w1, w3 and w2 shards are padded.
 TransformerConfig tiny_config() {
-  TransformerConfig config;
-  config.vocab = 32;
-  config.dim = 16;
-  config.heads = 2;
-  config.layers = 2;
-  config.ffn_hidden = 25;  // odd: w1, w3 and w2 shards are padded
-  config.max_seq = 8;
-  return config;
+  return {.vocab = 32, .dim = 16, .heads = 2, .layers = 2, .ffn_hidden = 25, .max_seq = 8};
 }
 
 void run_parity(const std::optional<DeviceMesh>& mesh) {
-  auto world = testing::world();
-  const int64_t ranks = world->size(), rank = world->rank();
-  torch::manual_seed(42);
-  Transformer reference(tiny_config());
-  torch::manual_seed(42);
-  Sharded<Transformer> model(tiny_config());
-
+  auto [reference, model] = testing::build_from_seed<Transformer>(42, tiny_config());
   FullyShardOptions options;
   options.mesh = mesh;
   testing::ShardedParts parts =
       testing::shard_blocks_then_root(model->layers, model, "layers.", options);
 
-  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-  torch::manual_seed(7);
-  for (int step = 0; step < 2; ++step) {
-    SCOPED_TRACE("step " + std::to_string(step));
+  auto next_batch = [] {
     at::Tensor tokens = torch::randint(32, {8, 9}, torch::kLong);  // 8: divisible by 2 and 4
-    at::Tensor input = tokens.narrow(1, 0, 8), target = tokens.narrow(1, 1, 8);
-    auto loss_of = [](const at::Tensor& logits, const at::Tensor& target) {
-      return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  target.reshape(-1));
-    };
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = loss_of(reference(input), target);
-    ref_loss.backward();
-
-    opt.zero_grad();
-    at::Tensor loss = loss_of(model(testing::local_batch(input, rank, ranks)),
-                              testing::local_batch(target, rank, ranks));
-    loss.backward();
-
-    at::Tensor mean_loss = loss.detach().clone();
-    all_reduce(mean_loss, ReduceOp::kAvg, *world->world_group()).wait();
-    EXPECT_NEAR(mean_loss.item<double>(), ref_loss.item<double>(), kTol) << "loss";
-    auto grads = testing::full_grads(parts);
-    auto ref_grads = testing::reference_grads(*reference);
-    EXPECT_EQ(grads.size(), ref_grads.size()) << "parameters managed by fully_shard";
-    EXPECT_NEAR(testing::norm_of(grads), testing::norm_of(ref_grads), kTol) << "grad norm";
-    testing::expect_all_close(grads, ref_grads, kTol, "grad");
-
-    ref_opt.step();
-    opt.step();
-    testing::expect_all_close(testing::full_params(parts), testing::reference_params(*reference),
-                              kTol, "param after step");
-  }
+    return std::pair{tokens.narrow(1, 0, 8), tokens.narrow(1, 1, 8)};
+  };
+  torch::manual_seed(7);
+  testing::expect_training_matches_reference(reference, model, parts, /*steps=*/2, next_batch,
+                                             testing::token_cross_entropy, kTol,
+                                             /*expect_every_param_managed=*/true);
 }
 
 HP_DIST_TEST(TransformerParity, Fsdp1D, 2) { run_parity(std::nullopt); }
