@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--load-before", default="?")
     ap.add_argument("--load-after", default="?")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--netns-steps", type=int, default=10)
+    ap.add_argument("--malloc", default="")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rate", default="?")
     args = ap.parse_args()
@@ -209,6 +211,18 @@ def main():
         "everything up to usable gradients: fully_shard's end-of-backward waits, DDP's "
         "all-reduce, FSDP2's reductions."
     )
+    if args.malloc:
+        p(
+            f"- **Allocator.** Timed runs (C++ and Python alike) set `GLIBC_TUNABLES={args.malloc}`: "
+            "glibc then keeps freed memory in the process instead of handing every block of "
+            "128 KiB or more back to the kernel and faulting it in, zeroed, at the next "
+            "allocation. In a separate check (1 rank, d=256, 15 steps, compute only) a step "
+            "took 411-431 ms in the C++ program and 392-404 ms in the Python one with "
+            "glibc's defaults, and 353-355 / 346-347 ms with this setting: the default "
+            "costs both, and the C++ side more; PyTorch's "
+            "CPU performance guides address the same effect with jemalloc or tcmalloc. The "
+            "peak-RSS runs keep glibc's defaults."
+        )
     p(
         "- **Exposed communication** = (forward + backward) of a variant minus that of the "
         "compute-only variant of the same program and run (same model and batch, no "
@@ -429,11 +443,16 @@ def main():
             "ranks every collective pays Gloo's latency; `communication only` is that "
             "latency alone: the same collectives as `hp` (6 per block and step: weight and "
             "bias all-gathered in forward and backward, and reduce-scattered), one module "
-            "after the other, without compute or hooks."
+            "after the other, without compute or hooks. `CPU µs per block`: CPU time of the "
+            "process (all threads) per step / 64: with 2 ranks it shows what each Gloo "
+            "collective costs in CPU on this host, apart from waiting."
         )
         p()
-        p("| ranks | variant | fwd ms | bwd ms | opt ms | step ms (p25–p75) | per block µs | overhead per block µs |")
-        p("|---:|---|---:|---:|---:|---:|---:|---:|")
+        p(
+            "| ranks | variant | fwd ms | bwd ms | opt ms | step ms (p25–p75) | per block µs | "
+            "overhead per block µs | CPU µs per block |"
+        )
+        p("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in (1, 2):
             label = f"tiny/1x{n}"
             for src, variant, title in ROWS:
@@ -441,7 +460,7 @@ def main():
                 if r is None:
                     continue
                 if not ok(r):
-                    p(f"| {n} | {title} | failed: {r.get('error')} ||||||")
+                    p(f"| {n} | {title} | failed: {r.get('error')} |||||||")
                     continue
                 local = find(label, src, "local")
                 over = None
@@ -452,7 +471,8 @@ def main():
                 p(
                     f"| {n} | {short} | {fmt(r['fwd_ms'], 2)} | {fmt(r['bwd_ms'], 2)} | "
                     f"{fmt(r['opt_ms'], 2)} | {step_cell(r)} | "
-                    f"{fmt(r['step_ms'] * 1000 / BLOCKS_TINY, 0)} | {fmt(over, 0)} |"
+                    f"{fmt(r['step_ms'] * 1000 / BLOCKS_TINY, 0)} | {fmt(over, 0)} | "
+                    f"{fmt(r['cpu_ms'] * 1000 / BLOCKS_TINY if r.get('cpu_ms') else None, 0)} |"
                 )
             hp_b = best(label, "C++", ["hp", "hp:fusion"])
             f2, hl, pl = find(label, "Python", "fsdp2"), find(label, "C++", "local"), find(label, "Python", "local")
@@ -475,7 +495,8 @@ def main():
         p("## Bandwidth-limited run")
         p()
         p(
-            "Dimension 128, **8 layers**, **4 sequences of 64 tokens per rank** (more compute "
+            f"Dimension 128, **8 layers**, **4 sequences of 64 tokens per rank**, {args.netns_steps} "
+            "timed steps (more compute "
             "per block than the step-time runs, so that each block's compute exceeds its "
             "communication at this rate), 2 ranks (FSDP). Each rank runs in its own network "
             "namespace; a veth pair per rank and a bridge join them, and each rank's egress "
@@ -628,9 +649,12 @@ collectives (dark parts in the middle of the reduce-scatter lane).
 block (`Sharded<M>::operator()`, the hooks, the unshard state machine, the reduction
 bookkeeping) is tens of µs, against about a millisecond for FSDP2 (Python hooks, DTensor
 bookkeeping in the module and the optimizer, and the 1-rank Gloo collectives it still
-issues). On two ranks both are dominated by Gloo's per-collective latency; the
-per-parameter mode issues 6 collectives per `Linear` block against FSDP2's 3, so only
-comm_fusion (also 3) comes close to the ratio of the 1-rank case.
+issues). On two ranks both are dominated by Gloo: the communication-only row (6
+collectives per block, nothing else) costs hundreds of µs of CPU per collective (thread
+hand-offs, syscalls and TCP over loopback in this VM) on top of the wait, more than the
+whole per-block cost of HyperParallel on one rank. The per-parameter mode issues 6
+collectives per `Linear` block against FSDP2's 3, so only comm_fusion (also 3) comes
+close; the 1/5 ratio of the 1-rank case cannot show through a floor set by the backend.
 
 **What would change the picture** (not done here): an optimised BLAS
 (`libopenblas0-pthread` in the build root makes compute several times faster, so

@@ -6,7 +6,8 @@
 #
 # Environment: BENCH_STEPS / BENCH_WARMUP (timed / warm-up steps of the transformer runs,
 # default 6 / 1), BENCH_NETNS=0 skips the bandwidth-limited run (it needs root),
-# BENCH_RATE its link rate (default 200mbit), BENCH_REPORT (default
+# BENCH_RATE its link rate (default 200mbit), BENCH_NETNS_STEPS its timed steps (default
+# 10: its efficiencies are differences of step times), BENCH_REPORT (default
 # docs/performance.md). Raw results: BUILD_DIR/bench/results/{results.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
@@ -15,12 +16,19 @@ BUILD=${1:-build}
 STEPS=${BENCH_STEPS:-6}
 WARMUP=${BENCH_WARMUP:-1}
 RATE=${BENCH_RATE:-200mbit}
+NETNS_STEPS=${BENCH_NETNS_STEPS:-10}
 REPORT=${BENCH_REPORT:-docs/performance.md}
 OUT=$BUILD/bench/results
 HP_BENCH=$BUILD/bench/hp_bench
 PY_BENCH="python3 bench/fsdp2_bench.py"
 # Python's TCPStore (FSDP2 runs) needs the non-libuv backend in this torch build.
 export USE_LIBUV=0
+# Timed runs, C++ and Python alike: glibc keeps freed memory instead of handing blocks of
+# 128 KiB and more back to the kernel and faulting them in (zeroed) again on the next
+# allocation, which costs ~15% of a step here (the effect PyTorch's CPU tuning guides
+# address with jemalloc / tcmalloc). The peak-RSS runs use glibc's defaults.
+TIMING_MALLOC=${BENCH_GLIBC_TUNABLES-glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824}
+export GLIBC_TUNABLES=$TIMING_MALLOC
 
 for f in "$HP_BENCH" "$BUILD/hp-run"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
@@ -79,10 +87,13 @@ for size in d128L4 d256L4; do
 done
 
 echo "bench: peak RSS (one variant per process, so VmHWM is that variant's)"
+export GLIBC_TUNABLES=
 for mesh in 1x2 2x2; do
   n=$((${mesh%x*} * ${mesh#*x}))
   variants=(hp:keep fsdp2)
-  [ "$mesh" = 1x2 ] && variants=(ddp hp hp:keep fsdp2)
+  # hp:fusion: its fused all-gather buffers are freed right after copy-out, so its peak
+  # should match the per-parameter mode's.
+  [ "$mesh" = 1x2 ] && variants=(ddp hp hp:fusion hp:keep fsdp2)
   for v in "${variants[@]}"; do
     if [ "$v" = fsdp2 ]; then prog=$PY_BENCH; else prog=$HP_BENCH; fi
     # shellcheck disable=SC2086
@@ -91,6 +102,7 @@ for mesh in 1x2 2x2; do
   done
 done
 
+export GLIBC_TUNABLES=$TIMING_MALLOC
 echo "bench: scheduling overhead (64 blocks of Linear(8, 8), batch 4)"
 for n in 1 2; do
   launch "tiny/1x$n" "$n" "$HP_BENCH" --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
@@ -111,12 +123,12 @@ if [ "${BENCH_NETNS:-1}" != 0 ]; then
     NETNS_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
     # shellcheck disable=SC2086
     launch "netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $NETNS_MODEL \
-      --steps "$STEPS" --warmup "$WARMUP" --no-copy-count --trace "$OUT/trace" \
+      --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --trace "$OUT/trace" \
       --variants local,comm,comm:keep,comm:keep+gloo,ddp,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep
     HPRUN_OPTS=(--master-addr 10.231.0.1 --master-port $((port + 1)))
     # shellcheck disable=SC2086
     launch "netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
-      --steps "$STEPS" --warmup "$WARMUP" --variants local,fsdp2,fsdp2:prefetch
+      --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2,fsdp2:prefetch
     # The timeline of docs/performance.md: comm_fusion, rank 1 (rank 0 hosts the store).
     cp "$OUT/trace/hp_fusion_rank1.svg" docs/timeline_bandwidth_limited.svg 2>/dev/null
     HPRUN_OPTS=()
@@ -132,4 +144,4 @@ elapsed=$((SECONDS - start_all))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 python3 bench/report.py --results "$OUT/results.jsonl" --out "$REPORT" --seconds "$elapsed" \
   --load-before "$load_before" --load-after "$load_after" --steps "$STEPS" --warmup "$WARMUP" \
-  --rate "$RATE"
+  --rate "$RATE" --netns-steps "$NETNS_STEPS" --malloc "$TIMING_MALLOC"
