@@ -26,7 +26,9 @@ export USE_LIBUV=0
 # Timed runs, C++ and Python alike: glibc keeps freed memory instead of handing blocks of
 # 128 KiB and more back to the kernel and faulting them in (zeroed) again on the next
 # allocation, which costs ~15% of a step here (the effect PyTorch's CPU tuning guides
-# address with jemalloc / tcmalloc). The peak-RSS runs use glibc's defaults.
+# address with jemalloc / tcmalloc). The peak-RSS runs instead map every block of 128 KiB
+# or more on allocation and unmap it on free (a fixed mmap threshold): their high-water
+# mark then follows the live tensors, not what glibc's heap happens to retain.
 TIMING_MALLOC=${BENCH_GLIBC_TUNABLES-glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824}
 export GLIBC_TUNABLES=$TIMING_MALLOC
 
@@ -87,7 +89,8 @@ for size in d128L4 d256L4; do
 done
 
 echo "bench: peak RSS (one variant per process, so VmHWM is that variant's)"
-export GLIBC_TUNABLES=
+MEMORY_MALLOC=glibc.malloc.mmap_threshold=131072
+export GLIBC_TUNABLES=$MEMORY_MALLOC
 for mesh in 1x2 2x2; do
   n=$((${mesh%x*} * ${mesh#*x}))
   variants=(hp:keep fsdp2)
@@ -144,4 +147,4 @@ elapsed=$((SECONDS - start_all))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 python3 bench/report.py --results "$OUT/results.jsonl" --out "$REPORT" --seconds "$elapsed" \
   --load-before "$load_before" --load-after "$load_after" --steps "$STEPS" --warmup "$WARMUP" \
-  --rate "$RATE" --netns-steps "$NETNS_STEPS" --malloc "$TIMING_MALLOC"
+  --rate "$RATE" --netns-steps "$NETNS_STEPS" --malloc "$TIMING_MALLOC" --memory-malloc "$MEMORY_MALLOC"

@@ -244,7 +244,10 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
       ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
       const int64_t n = r.params[i]->layout().padded_numel;
       input.narrow(1, r.offsets[i], n).copy_(part.flat.view({world, n}));
-      r.inputs.push_back(std::move(part));
+      // Copied: released now rather than after the collective, so that the fused
+      // input does not double the gradient memory of a reduction in flight.
+      release_reduce_input(part);
+      grads[i] = at::Tensor();
     }
     r.inputs.push_back({input.view(-1), /*owned=*/true});
     r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, reduce));
@@ -259,6 +262,18 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
   }
 }
 
+void ParamGroup::release_reduce_input(ReduceScatterInput& input) {
+  // Seed 002: only what this library allocated is freed; a view of the caller's
+  // gradient is merely dropped.
+  if (input.owned) {
+    free_storage(input.flat);
+    ++stats_.freed_owned;
+  } else {
+    ++stats_.kept_aliased;
+  }
+  input.flat = at::Tensor();
+}
+
 void ParamGroup::wait_reduce_scatter() {
   if (!pending_ || pending_->reduce_scatters_done) return;
   PendingReduce& r = *pending_;
@@ -266,16 +281,7 @@ void ParamGroup::wait_reduce_scatter() {
   if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitBegin, "reduce_scatter", label_);
   for (auto& handle : r.reduce_scatters) handle.wait();
   if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
-  // Seed 002: only what this library allocated is freed; a view of the caller's
-  // gradient is merely dropped.
-  for (auto& input : r.inputs) {
-    if (input.owned) {
-      free_storage(input.flat);
-      ++stats_.freed_owned;
-    } else {
-      ++stats_.kept_aliased;
-    }
-  }
+  for (auto& input : r.inputs) release_reduce_input(input);
   r.inputs.clear();
   if (r.params.empty()) return;
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the

@@ -97,6 +97,8 @@ class ParamGroup {
   // A pending unshard that installs outputs[i] into params_[i] once gathers are done.
   CommHandle install_when_done(std::vector<at::Tensor> outputs, std::vector<CommHandle> gathers);
   void start_replicated_reduce(const ReduceSettings& settings);
+  // A reduce-scatter input no longer needed: freed if this library allocated it.
+  void release_reduce_input(ReduceScatterInput& input);
 
   struct PendingReduce {
     ReduceSettings settings;
