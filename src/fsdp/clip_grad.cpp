@@ -1,0 +1,126 @@
+#include "hyperparallel/clip_grad.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "fsdp_state.h"
+#include "hyperparallel/collectives.h"
+#include "state_registry.h"
+
+namespace hp {
+namespace {
+
+// One parameter's gradient as this rank holds it. `shard_group`: the ranks holding the
+// other shards of it; null when this rank holds all of it.
+struct GradPart {
+  at::Tensor grad;  // undefined: no gradient (the rank still joins its group's sum)
+  const Group* shard_group = nullptr;
+};
+
+std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
+  std::map<const c10::TensorImpl*, GradPart> sharded;
+  for (const auto& state : detail::all_states()) {
+    detail::ParamGroup& group = state->group();
+    for (const auto& p : group.params()) {
+      // The sharded gradient wherever it is kept (also while the module is unsharded).
+      sharded[p->variable().unsafeGetTensorImpl()] = {p->sharded_grad_or_undefined(),
+                                                      group.comm().shard.get()};
+    }
+  }
+  std::vector<GradPart> parts;
+  for (const at::Tensor& param : parameters) {
+    auto it = sharded.find(param.unsafeGetTensorImpl());
+    if (it != sharded.end()) {
+      parts.push_back(it->second);
+    } else if (param.grad().defined()) {
+      parts.push_back({param.grad(), nullptr});
+    }
+  }
+  return parts;
+}
+
+// The norm's partial result over `grads`: the max of |g| for the infinity norm, the sum
+// of |g|^p otherwise; in double, on the gradients' device.
+at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type,
+                        const at::TensorOptions& options) {
+  const bool max_norm = std::isinf(norm_type);
+  at::Tensor result = at::zeros({}, options);
+  for (const at::Tensor& grad : grads) {
+    at::Tensor norm = at::linalg_vector_norm(grad, norm_type, {}, false, at::kDouble);
+    result = max_norm ? at::maximum(result, norm) : result + norm.pow(norm_type);
+  }
+  return result;
+}
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                       double norm_type, bool error_if_nonfinite) {
+  if (!(max_norm > 0)) {
+    throw std::invalid_argument("clip_grad_norm_: max_norm must be positive, got " +
+                                std::to_string(max_norm));
+  }
+  if (!(norm_type > 0)) {
+    throw std::invalid_argument(
+        "clip_grad_norm_: norm_type must be positive (or infinity for the max norm), got " +
+        std::to_string(norm_type));
+  }
+  c10::NoGradGuard no_grad;
+  const std::vector<GradPart> parts = grad_parts(parameters);
+  const bool max_norm_type = std::isinf(norm_type);
+  at::TensorOptions options = at::TensorOptions().dtype(at::kDouble);
+  for (const GradPart& part : parts) {
+    if (part.grad.defined()) {
+      options = options.device(part.grad.device());
+      break;
+    }
+  }
+
+  // Whole gradients count as they are; shards are combined over their group first, one
+  // collective per group, in the order the groups first appear (the same on all ranks).
+  std::vector<at::Tensor> whole;
+  std::vector<const Group*> groups;
+  std::map<const Group*, std::vector<at::Tensor>> shards;
+  for (const GradPart& part : parts) {
+    if (!part.shard_group) {
+      whole.push_back(part.grad);
+      continue;
+    }
+    if (!shards.count(part.shard_group)) groups.push_back(part.shard_group);
+    if (part.grad.defined()) {
+      shards[part.shard_group].push_back(part.grad);
+    } else {
+      shards[part.shard_group];
+    }
+  }
+  at::Tensor total = partial_norm(whole, norm_type, options);
+  for (const Group* group : groups) {
+    at::Tensor partial = partial_norm(shards[group], norm_type, options);
+    all_reduce(partial, max_norm_type ? ReduceOp::kMax : ReduceOp::kSum, *group).wait();
+    total = max_norm_type ? at::maximum(total, partial) : total + partial;
+  }
+  const double norm = max_norm_type ? total.item<double>()
+                                    : std::pow(total.item<double>(), 1.0 / norm_type);
+
+  if (error_if_nonfinite && !std::isfinite(norm)) {
+    throw std::runtime_error("clip_grad_norm_: the total norm of the gradients is " +
+                             std::to_string(norm) +
+                             ", so they cannot be clipped; pass error_if_nonfinite = false "
+                             "to scale them by it anyway");
+  }
+  // As PyTorch: a NaN norm makes every gradient NaN, an infinite one zeroes them.
+  const double scale = max_norm / (norm + 1e-6);
+  if (scale < 1.0 || std::isnan(scale)) {
+    for (const GradPart& part : parts) {
+      if (part.grad.defined()) part.grad.mul_(scale);
+    }
+  }
+  return norm;
+}
+
+}  // namespace hp
