@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
@@ -49,6 +51,7 @@ constexpr const char* kUsage =
     "  --heads N        attention heads, must divide --dim (4)\n"
     "  --vocab N        vocabulary size, >= 2 (64)\n"
     "  --lr X           AdamW learning rate (3e-3)\n"
+    "  --clip-grad X    clip the gradients to global norm X before each step; 0: off (1.0)\n"
     "  --mesh RxS       R replicas x S shards = number of ranks; R=1 is plain FSDP (2x2)\n"
     "  --mp none|bf16   bf16: parameters gathered and used in bf16, gradients reduced in\n"
     "                   fp32 (none)\n"
@@ -71,6 +74,7 @@ struct Options {
   int64_t heads = 4;
   int64_t vocab = 64;
   double lr = 3e-3;
+  double clip_grad = 1.0;  // 0: no clipping
   int64_t replicate = 2;
   int64_t shard = 2;
   bool bf16 = false;
@@ -157,6 +161,9 @@ Options parse_args(int argc, char** argv) {
       o.vocab = parse_int(arg, value(), 2, 1 << 24);
     } else if (arg == "--lr") {
       o.lr = parse_positive(arg, value());
+    } else if (arg == "--clip-grad") {
+      const std::string_view text = value();
+      o.clip_grad = text == "0" ? 0.0 : parse_positive(arg, text);
     } else if (arg == "--mesh") {
       std::tie(o.replicate, o.shard) = parse_mesh(value());
     } else if (arg == "--mp") {
@@ -281,10 +288,10 @@ int train(const Options& o) {
     std::printf("  parameters %s full, %s on rank 0 (sharded)\n", with_commas(full_params).c_str(),
                 with_commas(local_params).c_str());
     std::printf(
-        "  %lld steps, global batch %lld (%lld per rank), AdamW lr %g, mp %s, "
-        "comm fusion %s, seed %lld\n\n",
+        "  %lld steps, global batch %lld (%lld per rank), AdamW lr %g, clip grad norm %g, "
+        "mp %s, comm fusion %s, seed %lld\n\n",
         static_cast<long long>(o.steps), static_cast<long long>(o.batch),
-        static_cast<long long>(o.batch / ranks), o.lr, o.bf16 ? "bf16" : "none",
+        static_cast<long long>(o.batch / ranks), o.lr, o.clip_grad, o.bf16 ? "bf16" : "none",
         o.comm_fusion ? "on" : "off", static_cast<long long>(o.seed));
     std::fflush(stdout);
   }
@@ -309,6 +316,11 @@ int train(const Options& o) {
     at::Tensor loss =
         torch::nn::functional::cross_entropy(logits.reshape({-1, o.vocab}), target.reshape(-1));
     loss.backward();
+    // The norm of the whole gradients (shards combined across ranks), before clipping;
+    // an infinite limit only measures it.
+    const double grad_norm = hp::clip_grad_norm_(
+        model->parameters(),
+        o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
     optimizer.step();
     if (traced) write_trace(o.trace_dir, rank, hp::trace::stop());
 
@@ -330,11 +342,11 @@ int train(const Options& o) {
     const int64_t max_rank = all_rss.argmax().item<int64_t>();
     char line[256];
     std::snprintf(line, sizeof(line),
-                  "step %5lld/%lld  loss %.4f  acc %5.1f%%  %7.0f tok/s  peak RSS %.0f MiB "
-                  "(max, rank %lld)",
+                  "step %5lld/%lld  loss %.4f  acc %5.1f%%  grad norm %6.3f  %7.0f tok/s  "
+                  "peak RSS %.0f MiB (max, rank %lld)",
                   static_cast<long long>(step), static_cast<long long>(o.steps), losses.back(),
-                  100 * accuracies.back(), tokens_per_s, all_rss[max_rank].item<double>(),
-                  static_cast<long long>(max_rank));
+                  100 * accuracies.back(), grad_norm, tokens_per_s,
+                  all_rss[max_rank].item<double>(), static_cast<long long>(max_rank));
     if (tty) {
       constexpr int kWidth = 24;
       const int filled = static_cast<int>(kWidth * step / o.steps);

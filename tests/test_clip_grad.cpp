@@ -2,7 +2,7 @@
 // torch::nn::utils::clip_grad_norm_ on the same model in one process with the global
 // batch: the norm, and every clipped gradient, within 1e-5; the clipped norm is at most
 // max_norm. 1-D FSDP (even and uneven shards), 2x2 HSDP with a replicated parameter,
-// the infinity norm.
+// the infinity norm, fp32 main grads.
 #include <torch/torch.h>
 
 #include <limits>
@@ -75,6 +75,36 @@ HP_DIST_TEST(ClipGrad, L2_07_GlobalNormHsdp2x2WithReplicatedParam, 4) {
 
 HP_DIST_TEST(ClipGrad, L2_07_InfinityNorm, 2) {
   expect_clipping_matches_reference({std::nullopt, kInf});
+}
+
+// apply_grad_on_fp32_main_grad: the fp32 main grad is what the optimizer reads, so it is
+// what is measured and scaled.
+HP_DIST_TEST(ClipGrad, ScalesTheFp32MainGrad, 2) {
+  auto [reference, model] = testing::build_from_seed<Mlp>(42, 5, 7, 9, 3, 3);
+  model->to(at::kHalf);
+  FullyShardOptions options;
+  options.mp_policy.param_dtype = at::kHalf;
+  options.mp_policy.reduce_dtype = at::kFloat;
+  options.mp_policy.apply_grad_on_fp32_main_grad = true;
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
+  torch::manual_seed(7);
+  const auto world = testing::world();
+  const at::Tensor x = testing::local_batch(torch::randn({12, 5}), world->rank(), world->size());
+  model(x.to(at::kHalf)).to(at::kFloat).pow(2).mean().backward();
+
+  const auto before = testing::full_grads(parts);  // the main grads, gathered
+  const double max_norm = 0.5 * testing::norm_of(before);
+  const double norm = clip_grad_norm_(model->parameters(), max_norm);
+  EXPECT_NEAR(norm, testing::norm_of(before), kTol);
+  std::map<std::string, at::Tensor> expected;
+  for (const auto& [name, grad] : before) expected[name] = grad * (max_norm / (norm + 1e-6));
+  testing::expect_all_close(testing::full_grads(parts), expected, kTol, "clipped main grad");
+  for (const auto& [prefix, module] : parts) {
+    for (const auto& info : module.sharded_params()) {
+      EXPECT_EQ(module.main_grad(info.name).scalar_type(), at::kFloat) << prefix + info.name;
+    }
+  }
 }
 
 HP_DIST_TEST(ClipGrad, BadArgumentsAndNonFiniteNorm, 2) {

@@ -59,8 +59,8 @@ at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type,
 
 }  // namespace
 
-double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
-                       double norm_type, bool error_if_nonfinite) {
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
+                       bool error_if_nonfinite) {
   if (!(max_norm > 0)) {
     throw std::invalid_argument("clip_grad_norm_: max_norm must be positive, got " +
                                 std::to_string(max_norm));
@@ -104,8 +104,8 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     all_reduce(partial, max_norm_type ? ReduceOp::kMax : ReduceOp::kSum, *group).wait();
     total = max_norm_type ? at::maximum(total, partial) : total + partial;
   }
-  const double norm = max_norm_type ? total.item<double>()
-                                    : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double norm =
+      max_norm_type ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
 
   if (error_if_nonfinite && !std::isfinite(norm)) {
     throw std::runtime_error("clip_grad_norm_: the total norm of the gradients is " +
