@@ -51,7 +51,9 @@ at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type,
   const bool max_norm = std::isinf(norm_type);
   at::Tensor result = at::zeros({}, options);
   for (const at::Tensor& grad : grads) {
-    at::Tensor norm = at::linalg_vector_norm(grad, norm_type, {}, false, at::kDouble);
+    // .to(): offloaded shards live on the host while other gradients may not.
+    at::Tensor norm =
+        at::linalg_vector_norm(grad, norm_type, {}, false, at::kDouble).to(result.device());
     result = max_norm ? at::maximum(result, norm) : result + norm.pow(norm_type);
   }
   return result;
