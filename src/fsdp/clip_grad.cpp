@@ -94,11 +94,9 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
       continue;
     }
     if (!shards.count(part.shard_group)) groups.push_back(part.shard_group);
-    if (part.grad.defined()) {
-      shards[part.shard_group].push_back(part.grad);
-    } else {
-      shards[part.shard_group];
-    }
+    // The entry exists even without gradients: this rank still joins the group's sum.
+    std::vector<at::Tensor>& grads = shards[part.shard_group];
+    if (part.grad.defined()) grads.push_back(part.grad);
   }
   at::Tensor total = partial_norm(whole, norm_type, options);
   for (const Group* group : groups) {

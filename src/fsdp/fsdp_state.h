@@ -72,10 +72,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void post_backward();
   void lazy_init_as_root();
   FSDPState* implicit_forward_prefetch_target();
+  FSDPState* implicit_backward_prefetch_target();
   // Unshards this module, prefetching `explicit_list` if set, else `implicit_next`.
   void unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>>& explicit_list,
                              FSDPState* implicit_next);
-  FSDPState* implicit_backward_prefetch_target();
   void root_post_backward_final_callback();
   ReduceSettings reduce_settings() const;
 

@@ -65,20 +65,19 @@ CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat,
   at::Tensor received = at::empty_like(in_flat);
   std::vector<int64_t> equal_splits;
   auto work = backend.alltoall_base(received, in_flat, equal_splits, equal_splits);
+  std::function<void()> average = average_after(op, out_flat, group_size);
   return CommHandle::from_work(std::move(work), [=]() mutable {
     const at::Tensor by_source = received.view({group_size, out_flat.numel()});
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: {
-        const bool reduced_float = at::isReducedFloatingType(out_flat.scalar_type());
-        if (reduced_float) {
+      case ReduceOp::kAvg:
+        if (at::isReducedFloatingType(out_flat.scalar_type())) {
           out_flat.copy_(at::sum(by_source, {0}, /*keepdim=*/false, at::kFloat));
         } else {
           at::sum_out(out_flat, by_source, {0});
         }
-        if (op == ReduceOp::kAvg) out_flat.div_(group_size);
+        if (average) average();
         break;
-      }
       case ReduceOp::kMax:
         at::amax_out(out_flat, by_source, {0});
         break;
