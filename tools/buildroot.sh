@@ -48,8 +48,13 @@ install_packages() {
   echo "$want" >"$STAMP"
 }
 
-bind() {  # bind SRC DST, once
+bind() {  # bind SRC DST, once; a mount left by an earlier checkout at this path is replaced
   mkdir -p "$2"
+  # A checkout deleted and cloned again at the same path leaves a mount of the deleted
+  # directory behind; inside the root the current directory would not exist.
+  while mountpoint -q "$2" && [ "$(stat -c %d:%i "$1")" != "$(stat -c %d:%i "$2")" ]; do
+    umount -l "$2"
+  done
   mountpoint -q "$2" || mount --bind "$1" "$2"
 }
 
