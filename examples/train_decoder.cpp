@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "hyperparallel/checkpoint.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/fully_shard.h"
@@ -56,6 +57,8 @@ constexpr const char* kUsage =
     "  --mp none|bf16   bf16: parameters gathered and used in bf16, gradients reduced in\n"
     "                   fp32 (none)\n"
     "  --comm-fusion    one all-gather / reduce-scatter per module instead of per parameter\n"
+    "  --checkpoint none|reentrant|non-reentrant\n"
+    "                   activation checkpointing of every decoder block (none)\n"
     "  --seed N         model initialization and data (0)\n"
     "  --trace DIR      record step 3 of every rank as DIR/trace_rank<R>.json (Chrome trace)\n"
     "                   and DIR/timeline_rank<R>.svg\n"
@@ -79,6 +82,7 @@ struct Options {
   int64_t shard = 2;
   bool bf16 = false;
   bool comm_fusion = false;
+  std::optional<hp::CheckpointImpl> checkpoint;
   int64_t seed = 0;
   std::string trace_dir;  // empty: no trace
   bool help = false;
@@ -172,6 +176,16 @@ Options parse_args(int argc, char** argv) {
         throw UsageError("--mp needs none or bf16, got '" + std::string(mp) + "'");
       }
       o.bf16 = mp == "bf16";
+    } else if (arg == "--checkpoint") {
+      const std::string_view kind = value();
+      if (kind == "reentrant") {
+        o.checkpoint = hp::CheckpointImpl::kReentrant;
+      } else if (kind == "non-reentrant") {
+        o.checkpoint = hp::CheckpointImpl::kNonReentrant;
+      } else if (kind != "none") {
+        throw UsageError("--checkpoint needs none, reentrant or non-reentrant, got '" +
+                         std::string(kind) + "'");
+      }
     } else if (arg == "--trace") {
       o.trace_dir = std::string(value());
     } else if (arg == "--seed") {
@@ -258,6 +272,7 @@ int train(const Options& o) {
   config.max_seq = o.seq;
   torch::manual_seed(o.seed);  // the same initial model on every rank
   hp::Sharded<hp::models::Transformer> model(config);
+  model->checkpoint_layers.assign(o.layers, o.checkpoint);
   const int64_t full_params = numel_of(model->parameters());
 
   hp::FullyShardOptions options;
@@ -289,10 +304,14 @@ int train(const Options& o) {
                 with_commas(local_params).c_str());
     std::printf(
         "  %lld steps, global batch %lld (%lld per rank), AdamW lr %g, clip grad norm %g, "
-        "mp %s, comm fusion %s, seed %lld\n\n",
+        "mp %s, comm fusion %s, checkpoint %s, seed %lld\n\n",
         static_cast<long long>(o.steps), static_cast<long long>(o.batch),
         static_cast<long long>(o.batch / ranks), o.lr, o.clip_grad, o.bf16 ? "bf16" : "none",
-        o.comm_fusion ? "on" : "off", static_cast<long long>(o.seed));
+        o.comm_fusion ? "on" : "off",
+        !o.checkpoint                                     ? "none"
+        : *o.checkpoint == hp::CheckpointImpl::kReentrant ? "reentrant"
+                                                          : "non-reentrant",
+        static_cast<long long>(o.seed));
     std::fflush(stdout);
   }
 

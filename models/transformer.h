@@ -13,10 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "hyperparallel/checkpoint.h"
 #include "hyperparallel/fully_shard.h"
 
 namespace hp::models {
@@ -136,7 +138,14 @@ struct TransformerImpl : torch::nn::Module {
                 " exceeds max_seq ", config.max_seq);
     at::Tensor positions = torch::arange(tokens.size(1), tokens.options());
     at::Tensor h = tok_embeddings(tokens) + pos_embeddings(positions);
-    for (auto& layer : layers) h = layer(h);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (i < checkpoint_layers.size() && checkpoint_layers[i]) {
+        h = hp::checkpoint([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
+                           {.impl = *checkpoint_layers[i]});
+      } else {
+        h = layers[i](h);
+      }
+    }
     // Tied output projection: the embedding matrix is the only copy of these weights.
     return torch::nn::functional::linear(norm(h), tok_embeddings->weight);
   }
@@ -145,6 +154,9 @@ struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok_embeddings{nullptr}, pos_embeddings{nullptr};
   std::vector<hp::Sharded<DecoderBlock>> layers;
   RMSNorm norm{nullptr};
+  // Activation checkpointing of layer i when checkpoint_layers[i] is set (missing
+  // entries: none).
+  std::vector<std::optional<hp::CheckpointImpl>> checkpoint_layers;
 
  private:
   static const TransformerConfig& checked(const TransformerConfig& config) {

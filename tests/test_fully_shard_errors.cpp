@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "error_of.h"
 #include "models/mlp.h"
 
 namespace hp {
@@ -9,15 +10,7 @@ namespace {
 
 using models::Mlp;
 
-// The message of the std::exception `call` throws, or "no error".
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const std::exception& error) {
-    return error.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 #define EXPECT_ERROR(call, text) \
   EXPECT_NE(error_of([&] { call; }).find(text), std::string::npos) << error_of([&] { call; })

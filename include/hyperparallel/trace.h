@@ -1,6 +1,6 @@
 #pragma once
 // A timeline of what fully_shard does on this rank: each module's forward/backward
-// compute span, and each collective's issue, start of wait and end of wait. Off by
+// (and recompute) compute span, and each collective's issue, start of wait and end of wait. Off by
 // default (one branch per event when off). Written as Chrome trace JSON (chrome://tracing,
 // Perfetto) or drawn as an SVG picture.
 
@@ -14,7 +14,9 @@ enum class Kind { kBegin, kEnd, kIssue, kWaitBegin, kWaitEnd };
 
 struct Event {
   Kind kind;
-  std::string op;      // "forward", "backward", "all_gather", "reduce_scatter", "all_reduce"
+  // "forward", "backward", "recompute" (activation checkpointing reruns a forward inside
+  // backward), "all_gather", "reduce_scatter", "all_reduce"
+  std::string op;
   std::string module;  // the fully_shard-ed module ("root", "layers.0", ...)
   double time_us;      // since start()
 };

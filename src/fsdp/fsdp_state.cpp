@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <stdexcept>
 
 #include "autograd_hooks.h"
 #include "hyperparallel/trace.h"
+#include "recompute_scope.h"
 
 namespace hp::detail {
 namespace {
@@ -24,6 +26,16 @@ void for_each_live(const std::vector<std::weak_ptr<FSDPState>>& states, Visit vi
   for (const auto& weak : states) {
     if (auto state = weak.lock()) visit(*state);
   }
+}
+
+// A forward that runs while autograd executes a backward is activation checkpointing
+// recomputing it.
+bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+// Whether backward will run through the graph the current forward builds: not in
+// no-grad mode, and not for a recompute that only recovers saved tensors.
+bool graph_will_be_backpropagated() {
+  return c10::GradMode::is_enabled() && !SavedTensorRecomputeScope::active();
 }
 
 }  // namespace
@@ -155,6 +167,7 @@ void FSDPState::unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (!initialized()) lazy_init_as_root();
   if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
+  if (inside_backward()) return recompute_pre_forward(inputs);
   auto root = root_.lock();
   if (root.get() == this) {
     for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
@@ -176,6 +189,7 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
 
 void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (--forward_depth_ > 0) return;
+  if (recomputing_) return recompute_post_forward(outputs);
   if (!c10::GradMode::is_enabled()) {
     // No backward follows (evaluation): keeping parameters gathered would only let an
     // optimizer step in between act on stale copies.
@@ -188,6 +202,28 @@ void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (mp_.output_dtype) cast_floating(outputs, *mp_.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs, weak_from_this());
   trace::record(trace::Kind::kEnd, "forward", label_);
+}
+
+void FSDPState::recompute_pre_forward(const std::vector<at::Tensor*>& inputs) {
+  // The iteration's forward order and the prefetches are left alone: this is not a new
+  // forward. The parameters stay gathered afterwards, for the backward that follows.
+  recomputing_ = true;
+  trace::record(trace::Kind::kBegin, "recompute", label_);
+  group_->unshard(/*async=*/true);
+  group_->wait_for_unshard();
+  if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
+  // A reentrant checkpoint backpropagates through the recompute (a nested backward):
+  // this module's gradients are reduced from there.
+  if (graph_will_be_backpropagated() && register_post_backward_hook(inputs, weak_from_this())) {
+    ++post_backward_hooks_pending_;
+  }
+}
+
+void FSDPState::recompute_post_forward(const std::vector<at::Tensor*>& outputs) {
+  recomputing_ = false;
+  if (mp_.output_dtype) cast_floating(outputs, *mp_.output_dtype);
+  if (graph_will_be_backpropagated()) register_pre_backward_hooks(outputs, weak_from_this());
+  trace::record(trace::Kind::kEnd, "recompute", label_);
 }
 
 void FSDPState::pre_backward() {

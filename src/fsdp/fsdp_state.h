@@ -70,6 +70,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   void post_backward();
+  // Activation checkpointing reruns forwards inside backward.
+  void recompute_pre_forward(const std::vector<at::Tensor*>& inputs);
+  void recompute_post_forward(const std::vector<at::Tensor*>& outputs);
   void lazy_init_as_root();
   FSDPState* implicit_forward_prefetch_target();
   FSDPState* implicit_backward_prefetch_target();
@@ -97,6 +100,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::weak_ptr<FSDPState> root_;
   std::vector<std::weak_ptr<FSDPState>> tree_;  // root only: every state it drives
   int forward_depth_ = 0;                       // >1 when several modules share this state
+  bool recomputing_ = false;                    // the forward now running is a recompute
   bool in_backward_ = false;                    // pre-backward ran in the current backward
   bool post_backward_done_ = false;
   int post_backward_hooks_pending_ = 0;  // registered in forward, not yet fired

@@ -60,7 +60,7 @@ int lane_of(const std::string& op) {
 struct Span {
   int lane;
   double begin, end, wait_begin;  // wait_begin < 0: no wait part
-  std::string label, color;
+  std::string op, label, color;
 };
 
 // Pairs begin/end and issue/wait/done per (op, module), in order.
@@ -84,11 +84,13 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
         auto [begin, wait] = queue.front();
         queue.pop_front();
         const bool compute = lane_of(e.op) == 0;
-        const char* color = compute                    ? (e.op == "forward" ? "#4e79a7" : "#59a14f")
+        const char* color = e.op == "forward"          ? "#4e79a7"
+                            : e.op == "recompute"      ? "#17becf"
+                            : compute                  ? "#59a14f"
                             : e.op == "all_gather"     ? "#f28e2b"
                             : e.op == "reduce_scatter" ? "#e15759"
                                                        : "#b07aa1";
-        spans.push_back({lane_of(e.op), begin, e.time_us, wait, e.module, color});
+        spans.push_back({lane_of(e.op), begin, e.time_us, wait, e.op, e.module, color});
         break;
       }
     }
@@ -209,17 +211,20 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
   }
   for (const Span& s : spans) {
     // The root's compute span encloses the blocks' spans: draw it as a thin bar above.
-    // A white outline keeps back-to-back spans (blocks of a forward) apart.
+    // A recompute (activation checkpointing) runs inside a backward span: a thin bar
+    // below. A white outline keeps back-to-back spans (blocks of a forward) apart.
     const bool enclosing = s.lane == 0 && s.label == "root";
-    const double y = top + s.lane * lane_height + (enclosing ? 0 : 4);
-    const double height = enclosing ? 3 : lane_height - 8;
+    const bool recompute = s.op == "recompute";
+    const bool bar = enclosing || recompute;
+    const double y = top + s.lane * lane_height + (enclosing ? 0 : recompute ? lane_height - 4 : 4);
+    const double height = bar ? 3 : lane_height - 8;
     std::snprintf(buffer, sizeof(buffer),
                   "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\" "
                   "fill-opacity=\"0.55\" stroke=\"white\"><title>%s %.0f us</title></rect>\n",
                   x(s.begin), y, std::max(0.5, x(s.end) - x(s.begin)), height, s.color.c_str(),
                   xml_escape(s.label).c_str(), s.end - s.begin);
     out << buffer;
-    if (!enclosing && x(s.end) - x(s.begin) > 7.0 * s.label.size()) {
+    if (!bar && x(s.end) - x(s.begin) > 7.0 * s.label.size()) {
       std::snprintf(buffer, sizeof(buffer), "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
                     x(s.begin) + 3, y + height / 2 + 4, xml_escape(s.label).c_str());
       out << buffer;
@@ -240,7 +245,7 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
                 end / 1000);
   out << buffer << "<text x=\"" << left + width / 2 << "\" y=\"" << top + 4 * lane_height + 32
       << "\" text-anchor=\"middle\">pale: collective in flight (issue to done); dark: the "
-         "caller waiting for it; blue: forward, green: backward</text>\n</svg>\n";
+         "caller waiting for it; blue: forward, green: backward, cyan: recompute</text>\n</svg>\n";
   return out.str();
 }
 

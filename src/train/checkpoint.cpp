@@ -1,0 +1,227 @@
+#include "hyperparallel/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+
+#include "../fsdp/recompute_scope.h"
+#include "rng_snapshot.h"
+#include "saved_tensor_hooks.h"
+
+namespace hp {
+namespace {
+
+using torch::autograd::SavedVariableHooks;
+using torch::autograd::variable_list;
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << t.scalar_type() << " on " << t.device();
+  return out.str();
+}
+
+// --- non-reentrant: saved-tensor hooks --------------------------------------------
+
+// One run of a region: what its forward saved (described, not kept) and, after a
+// rerun, the tensors backward has not taken yet.
+class Region : public std::enable_shared_from_this<Region> {
+ public:
+  Region(CheckpointFn fn, std::vector<at::Tensor> inputs, std::optional<detail::RngSnapshot> rng)
+      : fn_(std::move(fn)), inputs_(std::move(inputs)), rng_(std::move(rng)) {}
+
+  size_t note_saved(const at::Tensor& t) {
+    saved_.push_back(describe(t));
+    return saved_.size() - 1;
+  }
+
+  at::Tensor take(size_t index) {
+    // Not there: never recomputed, or taken already by an earlier backward through a
+    // retained graph; either way a rerun provides it.
+    if (index >= recomputed_.size() || !recomputed_[index].defined()) recompute();
+    return std::move(recomputed_[index]);
+  }
+
+ private:
+  // Catches the tensors the rerun saves, in the order the forward saved them.
+  class Collect final : public SavedVariableHooks {
+   public:
+    explicit Collect(Region& region) : region_(region) {}
+    void call_pack_hook(const at::Tensor& t) override { region_.collect(t); }
+    at::Tensor call_unpack_hook() override {
+      throw std::logic_error("checkpoint: the graph of a recompute is never backpropagated");
+    }
+
+   private:
+    Region& region_;
+  };
+
+  void collect(const at::Tensor& t) {
+    if (collected_ >= saved_.size() || describe(t) != saved_[collected_]) {
+      std::ostringstream what;
+      what << "checkpoint: the recomputed region saved ";
+      if (collected_ >= saved_.size()) {
+        what << "more tensors for backward than its forward (" << saved_.size() << ")";
+      } else {
+        what << "tensor #" << collected_ << " as " << describe(t) << " where its forward saved "
+             << saved_[collected_];
+      }
+      what << ". A checkpointed function must compute the same thing when rerun: same "
+              "inputs, no module state changed between forward and backward, random "
+              "draws reproduced (preserve_rng_state).";
+      throw std::runtime_error(what.str());
+    }
+    recomputed_[collected_++] = t.detach();
+  }
+
+  void recompute() {
+    recomputed_.assign(saved_.size(), at::Tensor());
+    collected_ = 0;
+    {
+      detail::SavedTensorHooksScope hooks([this] { return std::make_unique<Collect>(*this); });
+      detail::SavedTensorRecomputeScope fully_shard_sees_a_rerun;
+      at::AutoGradMode grad(true);
+      std::optional<detail::RngReplayScope> replay;
+      if (rng_) replay.emplace(*rng_);
+      fn_(inputs_);
+    }
+    if (collected_ != saved_.size()) {
+      throw std::runtime_error(
+          "checkpoint: the recomputed region saved " + std::to_string(collected_) +
+          " tensors for backward where its forward saved " + std::to_string(saved_.size()) +
+          ". A checkpointed function must compute the same thing when rerun.");
+    }
+  }
+
+  CheckpointFn fn_;
+  std::vector<at::Tensor> inputs_;
+  std::optional<detail::RngSnapshot> rng_;
+  std::vector<std::string> saved_;
+  std::vector<at::Tensor> recomputed_;
+  size_t collected_ = 0;
+};
+
+// Keeps nothing of a saved tensor but its place in the region's save order.
+class DropAndRecompute final : public SavedVariableHooks {
+ public:
+  explicit DropAndRecompute(std::shared_ptr<Region> region) : region_(std::move(region)) {}
+  void call_pack_hook(const at::Tensor& t) override { index_ = region_->note_saved(t); }
+  at::Tensor call_unpack_hook() override { return region_->take(index_); }
+
+ private:
+  std::shared_ptr<Region> region_;
+  size_t index_ = 0;
+};
+
+std::vector<at::Tensor> checkpoint_non_reentrant(const CheckpointFn& fn,
+                                                 const std::vector<at::Tensor>& inputs,
+                                                 const CheckpointOptions& options) {
+  std::optional<detail::RngSnapshot> rng;
+  if (options.preserve_rng_state) rng = detail::RngSnapshot::capture(inputs);
+  auto region = std::make_shared<Region>(fn, inputs, std::move(rng));
+  detail::SavedTensorHooksScope hooks(
+      [region] { return std::make_unique<DropAndRecompute>(region); });
+  return fn(inputs);
+}
+
+// --- reentrant: an autograd function --------------------------------------------
+
+struct ReentrantRegion : torch::CustomClassHolder {
+  CheckpointFn fn;
+  std::optional<detail::RngSnapshot> rng;
+};
+
+struct ReentrantCheckpoint : torch::autograd::Function<ReentrantCheckpoint> {
+  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                               c10::intrusive_ptr<ReentrantRegion> region) {
+    ctx->save_for_backward(inputs.vec());
+    auto outputs = region->fn(inputs.vec());
+    ctx->saved_data["region"] = c10::IValue::make_capsule(std::move(region));
+    return outputs;
+  }
+
+  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw std::runtime_error(
+          "checkpoint (reentrant): gradients asked with torch::autograd::grad cannot pass "
+          "a reentrant checkpoint; call backward(), or use CheckpointImpl::kNonReentrant");
+    }
+    auto holder = ctx->saved_data["region"].toCapsule();
+    auto& region = *static_cast<ReentrantRegion*>(holder.get());
+    std::vector<at::Tensor> inputs;
+    for (const auto& saved : ctx->get_saved_variables()) {
+      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad())
+                                       : saved);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      at::AutoGradMode grad(true);
+      std::optional<detail::RngReplayScope> replay;
+      if (region.rng) replay.emplace(*region.rng);
+      outputs = region.fn(inputs);
+    }
+    variable_list roots, root_grads;
+    for (size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    variable_list input_grads;
+    for (const auto& input : inputs) {
+      input_grads.push_back(input.defined() ? input.grad() : at::Tensor());
+    }
+    input_grads.emplace_back();  // the region argument
+    return input_grads;
+  }
+};
+
+std::vector<at::Tensor> checkpoint_reentrant(const CheckpointFn& fn,
+                                             const std::vector<at::Tensor>& inputs,
+                                             const CheckpointOptions& options) {
+  bool any_requires_grad = false;
+  for (const auto& t : inputs) any_requires_grad |= t.defined() && t.requires_grad();
+  if (!any_requires_grad) {
+    throw std::invalid_argument(
+        "checkpoint (reentrant): no input requires grad, so backward would never reach "
+        "the region and its parameters would get no gradient; use "
+        "CheckpointImpl::kNonReentrant, or pass an input that requires grad");
+  }
+  auto region = c10::make_intrusive<ReentrantRegion>();
+  region->fn = fn;
+  if (options.preserve_rng_state) region->rng = detail::RngSnapshot::capture(inputs);
+  return ReentrantCheckpoint::apply(at::TensorList(inputs), std::move(region));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options) {
+  if (!fn) throw std::invalid_argument("checkpoint: the function is empty");
+  if (!c10::GradMode::is_enabled()) return fn(inputs);  // no graph, nothing to save
+  switch (options.impl) {
+    case CheckpointImpl::kNonReentrant:
+      return checkpoint_non_reentrant(fn, inputs, options);
+    case CheckpointImpl::kReentrant:
+      return checkpoint_reentrant(fn, inputs, options);
+  }
+  throw std::invalid_argument("checkpoint: unknown CheckpointImpl");
+}
+
+at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                      const at::Tensor& input, const CheckpointOptions& options) {
+  if (!fn) throw std::invalid_argument("checkpoint: the function is empty");
+  // By value: the region keeps the function until backward.
+  auto outputs = checkpoint(
+      [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
+      {input}, options);
+  return outputs[0];
+}
+
+}  // namespace hp

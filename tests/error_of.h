@@ -1,0 +1,20 @@
+#pragma once
+// The message of the std::exception a call throws, for tests of error reporting.
+
+#include <exception>
+#include <functional>
+#include <string>
+
+namespace hp::testing {
+
+// "no error" when the call returns normally.
+inline std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const std::exception& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+}  // namespace hp::testing

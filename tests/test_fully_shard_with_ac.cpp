@@ -1,0 +1,252 @@
+// Activation checkpointing with fully_shard on 2 ranks (test plan L2-03..L2-05), against
+// the single-process model without checkpointing on the global batch (loss, every
+// gradient, per-layer gradient norms within 1e-5) and bitwise against the same sharded
+// training without checkpointing (losses, gradients, parameters after AdamW steps).
+//   L2-03: every decoder layer checkpointed, reentrant.
+//   L2-04: the same, non-reentrant; and a lower peak of live CPU memory than without.
+//   L2-05: selective (layers 1 and 3): fully_shard's forward hooks run twice per step for
+//          those layers (forward, recompute) and once for the others.
+// Also the other order of composition: a fully_shard-ed module whose forward checkpoints
+// part of itself.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_memory_probe.h"
+#include "distributed_test.h"
+#include "fsdp_test_util.h"
+#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/trace.h"
+#include "models/transformer.h"
+
+namespace hp {
+namespace {
+
+using models::Transformer;
+using models::TransformerConfig;
+using LayerPlan = std::vector<std::optional<CheckpointImpl>>;
+
+TransformerConfig ac_config() {
+  return {.vocab = 96, .dim = 64, .heads = 4, .layers = 4, .ffn_hidden = 128, .max_seq = 32};
+}
+
+// Gradient norm of each decoder layer ("layers.<i>.").
+std::map<std::string, double> per_layer_norms(const std::map<std::string, at::Tensor>& grads) {
+  std::map<std::string, double> squares;
+  for (const auto& [name, grad] : grads) {
+    if (!name.starts_with("layers.")) continue;
+    const std::string layer = name.substr(0, name.find('.', 7) + 1);
+    squares[layer] += grad.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  for (auto& [layer, value] : squares) value = std::sqrt(value);
+  return squares;
+}
+
+struct StepRecord {
+  double loss;
+  std::map<std::string, at::Tensor> grads, params_after_step;
+};
+
+// Two AdamW steps of the sharded model with `plan`. With `reference`, the single-process
+// model runs alongside on the global batch and is compared at the plan's tolerance:
+// loss, every gradient, per-layer gradient norms.
+std::vector<StepRecord> train_two_steps(const LayerPlan& plan, bool compare_with_reference) {
+  const TransformerConfig config = ac_config();
+  auto [reference, model] = testing::build_from_seed<Transformer>(42, config);
+  model->checkpoint_layers = plan;
+  testing::ShardedParts parts = testing::shard_blocks_then_root(model->layers, model, "layers.");
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<StepRecord> records;
+  torch::manual_seed(7);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    at::Tensor tokens = torch::randint(config.vocab, {4, config.max_seq + 1});
+    at::Tensor input = tokens.narrow(1, 0, config.max_seq);
+    at::Tensor target = tokens.narrow(1, 1, config.max_seq);
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    const testing::StepLosses losses = testing::backward_on_global_batch(
+        reference, model, input, target, testing::token_cross_entropy);
+    StepRecord record{testing::mean_over_ranks(losses.local).item<double>(),
+                      testing::full_grads(parts),
+                      {}};
+    if (compare_with_reference) {
+      EXPECT_NEAR(record.loss, losses.reference.item<double>(), 1e-5) << "loss";
+      auto ref_grads = testing::reference_grads(*reference);
+      EXPECT_EQ(record.grads.size(), ref_grads.size()) << "parameters with a gradient";
+      testing::expect_all_close(record.grads, ref_grads, 1e-5, "grad");
+      const auto norms = per_layer_norms(record.grads), ref_norms = per_layer_norms(ref_grads);
+      EXPECT_EQ(norms.size(), static_cast<size_t>(config.layers));
+      for (const auto& [layer, norm] : ref_norms) {
+        EXPECT_NEAR(norms.at(layer), norm, 1e-5) << "grad norm of " << layer;
+      }
+    }
+    ref_opt.step();
+    opt.step();
+    record.params_after_step = testing::full_params(parts);
+    records.push_back(std::move(record));
+  }
+  return records;
+}
+
+void expect_bitwise_equal(const std::map<std::string, at::Tensor>& actual,
+                          const std::map<std::string, at::Tensor>& expected,
+                          const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (const auto& [name, tensor] : expected) {
+    EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << what << " " << name;
+  }
+}
+
+// Against the reference at the plan's tolerances, and bitwise against the same sharded
+// training without checkpointing: a recompute performs the same operations in the same
+// order, so checkpointing must not change a single bit.
+void expect_checkpointed_training_matches_reference(const LayerPlan& plan) {
+  const auto checkpointed = train_two_steps(plan, /*compare_with_reference=*/true);
+  const auto plain = train_two_steps({}, /*compare_with_reference=*/false);
+  for (size_t step = 0; step < plain.size(); ++step) {
+    SCOPED_TRACE("step " + std::to_string(step) + " vs no checkpointing");
+    EXPECT_EQ(checkpointed[step].loss, plain[step].loss);
+    expect_bitwise_equal(checkpointed[step].grads, plain[step].grads, "grad");
+    expect_bitwise_equal(checkpointed[step].params_after_step, plain[step].params_after_step,
+                         "param after step");
+  }
+}
+
+LayerPlan every_layer(CheckpointImpl impl) { return LayerPlan(ac_config().layers, impl); }
+
+HP_DIST_TEST(FullyShardWithAC, ReentrantMatchesReference, 2) {
+  expect_checkpointed_training_matches_reference(every_layer(CheckpointImpl::kReentrant));
+}
+
+HP_DIST_TEST(FullyShardWithAC, NonReentrantMatchesReference, 2) {
+  expect_checkpointed_training_matches_reference(every_layer(CheckpointImpl::kNonReentrant));
+}
+
+// Peak live CPU bytes above the start of one forward + backward (sequence 64, 4 sequences
+// per rank: activations outweigh the parameters).
+int64_t peak_bytes_of_one_step(const LayerPlan& plan) {
+  TransformerConfig config = ac_config();
+  config.max_seq = 64;
+  torch::manual_seed(42);
+  Sharded<Transformer> model(config);
+  model->checkpoint_layers = plan;
+  testing::shard_blocks_then_root(model->layers, model, "layers.");
+  torch::manual_seed(7);
+  at::Tensor tokens = torch::randint(config.vocab, {4, config.max_seq + 1});
+  auto& probe = testing::CpuMemoryProbe::installed();
+  const int64_t before = probe.live();
+  probe.reset_peak();
+  testing::token_cross_entropy(model(tokens.narrow(1, 0, config.max_seq)),
+                               tokens.narrow(1, 1, config.max_seq))
+      .backward();
+  return probe.peak_above(before);
+}
+
+HP_DIST_TEST(FullyShardWithAC, CheckpointingLowersPeakMemory, 2) {
+  const int64_t baseline = peak_bytes_of_one_step({});
+  const int64_t non_reentrant = peak_bytes_of_one_step(every_layer(CheckpointImpl::kNonReentrant));
+  const int64_t reentrant = peak_bytes_of_one_step(every_layer(CheckpointImpl::kReentrant));
+  std::printf("peak bytes above step start: no AC %lld, non-reentrant %lld, reentrant %lld\n",
+              static_cast<long long>(baseline), static_cast<long long>(non_reentrant),
+              static_cast<long long>(reentrant));
+  EXPECT_LT(non_reentrant, baseline);
+  EXPECT_LT(reentrant, baseline);
+}
+
+HP_DIST_TEST(FullyShardWithAC, SelectiveCheckpointRecomputesOnlyThoseLayers, 2) {
+  LayerPlan plan(ac_config().layers);
+  plan[1] = plan[3] = CheckpointImpl::kNonReentrant;
+  expect_checkpointed_training_matches_reference(plan);
+
+  // One traced step: fully_shard's forward hook runs for the forward and, in
+  // checkpointed layers only, for the recompute.
+  const TransformerConfig config = ac_config();
+  torch::manual_seed(42);
+  Sharded<Transformer> model(config);
+  model->checkpoint_layers = plan;
+  testing::shard_blocks_then_root(model->layers, model, "layers.");
+  at::Tensor tokens = torch::randint(config.vocab, {2, config.max_seq + 1});
+  trace::start();
+  testing::token_cross_entropy(model(tokens.narrow(1, 0, config.max_seq)),
+                               tokens.narrow(1, 1, config.max_seq))
+      .backward();
+  std::vector<std::string> events;
+  for (const auto& event : trace::stop()) events.push_back(trace::describe(event));
+  auto count = [&](const std::string& line) { return std::count(events.begin(), events.end(), line); };
+  auto position = [&](const std::string& line) {
+    return std::find(events.begin(), events.end(), line) - events.begin();
+  };
+  for (int64_t i = 0; i < config.layers; ++i) {
+    const std::string layer = "layers." + std::to_string(i);
+    const int64_t expected_runs = plan[i] ? 2 : 1;
+    EXPECT_EQ(count("forward begin " + layer) + count("recompute begin " + layer), expected_runs)
+        << layer;
+    EXPECT_EQ(count("recompute begin " + layer), plan[i] ? 1 : 0) << layer;
+    // A recompute happens inside the layer's own backward, on gathered parameters.
+    if (plan[i]) {
+      EXPECT_LT(position("backward begin " + layer), position("recompute begin " + layer));
+    }
+  }
+  // Gradient reduction still runs layer by layer during backward, not at its end.
+  EXPECT_LT(position("RS issue layers.3"), position("backward begin layers.1"));
+}
+
+// A block that checkpoints its own MLP: fully_shard outside, checkpoint inside.
+struct SelfCheckpointingBlockImpl : torch::nn::Module {
+  SelfCheckpointingBlockImpl(int64_t dim, std::optional<CheckpointImpl> impl)
+      : fc1(register_module("fc1", torch::nn::Linear(dim, 2 * dim))),
+        fc2(register_module("fc2", torch::nn::Linear(2 * dim, dim))),
+        impl(impl) {}
+  at::Tensor forward(const at::Tensor& x) {
+    auto mlp = [this](const at::Tensor& h) { return fc2(torch::gelu(fc1(h))); };
+    return x + (impl ? checkpoint(mlp, x, {.impl = *impl}) : mlp(x));
+  }
+  torch::nn::Linear fc1, fc2;
+  std::optional<CheckpointImpl> impl;
+};
+TORCH_MODULE(SelfCheckpointingBlock);
+
+struct SelfCheckpointingNetImpl : torch::nn::Module {
+  // The input projection makes every block's input require grad, as a reentrant
+  // checkpoint needs.
+  SelfCheckpointingNetImpl(int64_t dim, std::optional<CheckpointImpl> impl)
+      : proj(register_module("proj", torch::nn::Linear(dim, dim))),
+        head(register_module("head", torch::nn::Linear(dim, 1))) {
+    auto list = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) {
+      blocks.emplace_back(SelfCheckpointingBlock(dim, impl));
+      list->push_back(blocks.back().ptr());
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = proj(x);
+    for (auto& block : blocks) x = block(x);
+    return head(x);
+  }
+  torch::nn::Linear proj;
+  std::vector<Sharded<SelfCheckpointingBlock>> blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(SelfCheckpointingNet);
+
+HP_DIST_TEST(FullyShardWithAC, CheckpointInsideAShardedModule, 2) {
+  for (CheckpointImpl impl : {CheckpointImpl::kNonReentrant, CheckpointImpl::kReentrant}) {
+    SCOPED_TRACE(impl == CheckpointImpl::kReentrant ? "reentrant" : "non-reentrant");
+    torch::manual_seed(3);
+    SelfCheckpointingNet reference(16, std::nullopt);
+    torch::manual_seed(3);
+    Sharded<SelfCheckpointingNet> model(16, impl);
+    testing::ShardedParts parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.");
+    torch::manual_seed(11);
+    testing::expect_training_matches_reference(
+        reference, model, parts, 2,
+        [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; },
+        testing::mse_loss, 1e-5, /*expect_every_param_managed=*/true);
+  }
+}
+
+}  // namespace
+}  // namespace hp
