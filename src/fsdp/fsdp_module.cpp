@@ -23,12 +23,6 @@ detail::FSDPParam* find_sharded(detail::FSDPState& state, const std::string& nam
 }
 
 // The whole tensor from every rank's padded shard (a collective over the shard group).
-at::Tensor gather_whole(const detail::FSDPParam& p, const at::Tensor& padded, const Group& group) {
-  at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
-  all_gather(gathered, padded, group).wait();
-  return p.assemble_full(gathered).clone();
-}
-
 std::string known_names(detail::FSDPState& state) {
   std::string names;
   for (const auto& p : state.group().params()) names += (names.empty() ? "" : ", ") + p->name();
@@ -110,7 +104,7 @@ std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
 at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   c10::NoGradGuard no_grad;
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) {
-    return gather_whole(*p, p->padded_shard(), *state_->group().comm().shard);
+    return detail::gather_whole(*p, p->padded_shard(), *state_->group().comm().shard);
   }
   for (const auto& r : state_->group().replicated()) {
     if (r.name == name) return r.variable.detach().clone();
@@ -128,7 +122,7 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
     all_reduce(has_grad, ReduceOp::kMin, *state_->group().comm().shard).wait();
     if (has_grad.item<float>() == 0.0f) return {};
-    return gather_whole(*p, p->pad_local(grad, grad.scalar_type()), *state_->group().comm().shard);
+    return detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()), *state_->group().comm().shard);
   }
   for (const auto& r : state_->group().replicated()) {
     if (r.name == name)

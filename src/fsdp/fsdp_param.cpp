@@ -5,6 +5,8 @@
 
 #include <stdexcept>
 
+#include "hyperparallel/collectives.h"
+
 namespace hp::detail {
 
 ShardLayout::ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t world_size,
@@ -43,11 +45,20 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
   sharded_view_ =
       padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
-  if (layout_.local > 0) {
-    sharded_view_.copy_(
-        variable_.detach().narrow(layout_.dim, layout_.rank * layout_.chunk, layout_.local));
-  }
+  load_full(variable_.detach());
   install_sharded();
+}
+
+void FSDPParam::load_full(const at::Tensor& full) {
+  if (layout_.local == 0) return;
+  c10::NoGradGuard no_grad;
+  sharded_view_.copy_(full.narrow(layout_.dim, layout_.rank * layout_.chunk, layout_.local));
+}
+
+at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {
+  at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
+  all_gather(gathered, padded, shard_group).wait();
+  return p.assemble_full(gathered).clone();
 }
 
 at::Tensor FSDPParam::all_gather_input() const {

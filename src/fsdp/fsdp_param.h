@@ -14,6 +14,10 @@
 
 #include "hyperparallel/placement.h"
 
+namespace hp {
+class Group;
+}
+
 namespace hp::detail {
 
 struct ParamPolicy {
@@ -78,6 +82,8 @@ class FSDPParam {
   at::Tensor pad_local(const at::Tensor& local, c10::ScalarType dtype) const;
   void install_sharded();
   bool is_unsharded() const { return unsharded_; }
+  // Copies this rank's part of the whole parameter into the shard (padding stays zero).
+  void load_full(const at::Tensor& full);
   // The local shard in the parameter's own dtype and shape (a view of the padded shard).
   const at::Tensor& sharded_view() const { return sharded_view_; }
 
@@ -125,5 +131,9 @@ class FSDPParam {
   at::Tensor stashed_sharded_grad_;
   at::Tensor& sharded_grad();
 };
+
+// The whole tensor from every rank's `padded` [padded_numel] part of `p` over its shard
+// group (a collective).
+at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group);
 
 }  // namespace hp::detail
