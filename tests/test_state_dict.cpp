@@ -143,6 +143,93 @@ HP_DIST_TEST(StateDict, BadStateDictsAreRejectedAndLeaveTheModelUnchanged, 2) {
   loss.backward();
 }
 
+// Global batch `step` of a fixed sequence.
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  torch::manual_seed(100 + step);
+  return {torch::randn({12, 5}), torch::randn({12, 3})};
+}
+
+void step_on(Sharded<Mlp>& model, torch::optim::Optimizer& opt, int step) {
+  auto world = testing::world();
+  const auto [x, y] = batch(step);
+  opt.zero_grad();
+  torch::mse_loss(model(testing::local_batch(x, world->rank(), world->size())),
+                  testing::local_batch(y, world->rank(), world->size()))
+      .backward();
+  opt.step();
+}
+
+// Two AdamW steps on 2x2 HSDP, a checkpoint of model and optimizer (files), a third step
+// on 1-D FSDP over the same 4 ranks from another initialization: the result is the
+// uninterrupted single-process training's.
+HP_DIST_TEST(StateDict, ResumeOnAnotherMeshContinuesTheTraining, 4) {
+  auto world = testing::world();
+  const auto options = torch::optim::AdamWOptions(1e-2);
+  Mlp reference = plain_model(42);
+  torch::optim::AdamW ref_opt(reference->parameters(), options);
+  for (int step = 0; step < 3; ++step) {
+    const auto [x, y] = batch(step);
+    ref_opt.zero_grad();
+    torch::mse_loss(reference(x), y).backward();
+    ref_opt.step();
+  }
+
+  FullyShardOptions hsdp;
+  hsdp.mesh = DeviceMesh(world, {{"dp_replicate", 2}, {"dp_shard", 2}});
+  Sharded<Mlp> first = sharded_model(42, hsdp);
+  torch::optim::AdamW first_opt(first->parameters(), options);
+  for (int step = 0; step < 2; ++step) step_on(first, first_opt, step);
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("hp_resume_" + std::to_string(getppid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  save_full_checkpoint(*first, dir + "/model.pt");
+  const StateDict optim_state = get_full_optimizer_state_dict(*first, first_opt);
+  if (world->rank() == 0) write_state_dict_file(optim_state, dir + "/optim.pt");
+  barrier(*world->world_group()).wait();
+
+  Sharded<Mlp> resumed = sharded_model(1, {});
+  torch::optim::AdamW resumed_opt(resumed->parameters(), options);
+  load_full_checkpoint(*resumed, dir + "/model.pt");
+  set_full_optimizer_state_dict(*resumed, resumed_opt, read_state_dict_file(dir + "/optim.pt"));
+  expect_equal_dicts(get_full_optimizer_state_dict(*resumed, resumed_opt), optim_state);
+  EXPECT_EQ(optim_state["blocks.0.fc1.weight.step"].item<int64_t>(), 2);
+  step_on(resumed, resumed_opt, 2);
+  StateDict expected;
+  for (const auto& item : reference->named_parameters()) expected.insert(item.key(), item.value());
+  for (const auto& item : get_full_state_dict(*resumed)) {
+    if (!expected.contains(item.key())) continue;  // the buffer
+    EXPECT_TRUE(torch::allclose(item.value(), expected[item.key()], 0, 1e-5)) << item.key();
+  }
+  barrier(*world->world_group()).wait();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+HP_DIST_TEST(StateDict, SgdMomentumStateRoundTripAndOtherOptimizersRefused, 2) {
+  Sharded<Mlp> model = sharded_model(42, {});
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
+  step_on(model, opt, 0);
+  const StateDict state = get_full_optimizer_state_dict(*model, opt);
+  EXPECT_TRUE(state.contains("blocks.2.fc2.weight.momentum_buffer"));
+  EXPECT_EQ(state["blocks.2.fc2.weight.momentum_buffer"].sizes(), torch::IntArrayRef({7, 9}));
+  Sharded<Mlp> other = sharded_model(3, {});
+  torch::optim::SGD other_opt(other->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
+  set_full_optimizer_state_dict(*other, other_opt, state);
+  expect_equal_dicts(get_full_optimizer_state_dict(*other, other_opt), state);
+
+  StateDict reshaped = state;
+  reshaped["head.weight.momentum_buffer"] = torch::zeros({3});
+  EXPECT_NE(error_of([&] {
+              set_full_optimizer_state_dict(*other, other_opt, reshaped);
+            }).find("'head.weight.momentum_buffer' has shape [3]"),
+            std::string::npos);
+  torch::optim::RMSprop rmsprop(model->parameters());
+  EXPECT_NE(error_of([&] {
+              get_full_optimizer_state_dict(*model, rmsprop);
+            }).find("support torch::optim::Adam, AdamW and SGD"),
+            std::string::npos);
+}
+
 // Files are what Python's torch.load reads and torch.save writes (where the Python
 // torch package is installed).
 HP_DIST_TEST(StateDict, PythonReadsAndWritesCheckpointFiles, 1) {

@@ -9,6 +9,7 @@
 // wrote.
 
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
 
 #include <string>
@@ -26,6 +27,25 @@ StateDict get_full_state_dict(torch::nn::Module& model);
 // own part, without communication. Throws std::invalid_argument naming the first entry
 // that is missing, has another shape, or (strict) is not in the model. Between steps.
 void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool strict = true);
+
+// The optimizer's per-parameter state as whole tensors, named after the parameter:
+// "<name>.step", "<name>.exp_avg", "<name>.exp_avg_sq" (and "<name>.max_exp_avg_sq"
+// with amsgrad) for torch::optim::Adam and AdamW, "<name>.momentum_buffer" for SGD.
+// Parameters without state (no step yet) have no entries. Hyperparameters (lr, betas,
+// ...) belong to the program, not to the checkpoint. A collective like
+// get_full_state_dict; other optimizers are refused (std::invalid_argument).
+StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
+                                        torch::optim::Optimizer& optimizer);
+
+// Replaces the optimizer's per-parameter state with each rank's part of the whole
+// tensors (no communication). Throws std::invalid_argument naming an entry that has
+// another shape or, strict, belongs to no parameter; the optimizer is unchanged then.
+void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                   const StateDict& state, bool strict = true);
+
+// A state dict as a file in torch.save's format, and back.
+void write_state_dict_file(const StateDict& state, const std::string& path);
+StateDict read_state_dict_file(const std::string& path);
 
 // get_full_state_dict, written to `path` by rank 0 of the launch (RANK; a process
 // without RANK writes). A collective like get_full_state_dict. The other ranks do not

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "hyperparallel/collectives.h"
@@ -49,10 +50,15 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   install_sharded();
 }
 
+at::Tensor FSDPParam::local_part(const at::Tensor& full) const {
+  const int64_t start = std::min(layout_.rank * layout_.chunk, full.size(layout_.dim));
+  return full.narrow(layout_.dim, start, layout_.local);
+}
+
 void FSDPParam::load_full(const at::Tensor& full) {
   if (layout_.local == 0) return;
   c10::NoGradGuard no_grad;
-  sharded_view_.copy_(full.narrow(layout_.dim, layout_.rank * layout_.chunk, layout_.local));
+  sharded_view_.copy_(local_part(full));
 }
 
 at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {

@@ -82,6 +82,8 @@ class FSDPParam {
   at::Tensor pad_local(const at::Tensor& local, c10::ScalarType dtype) const;
   void install_sharded();
   bool is_unsharded() const { return unsharded_; }
+  // This rank's part of a tensor shaped like the whole parameter (a view; may be empty).
+  at::Tensor local_part(const at::Tensor& full) const;
   // Copies this rank's part of the whole parameter into the shard (padding stays zero).
   void load_full(const at::Tensor& full);
   // The local shard in the parameter's own dtype and shape (a view of the padded shard).

@@ -4,51 +4,15 @@
 #include <c10/core/GradMode.h>
 
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <map>
 #include <set>
 #include <stdexcept>
-#include <vector>
 
-#include "fsdp_state.h"
+#include "fsdp_param.h"
 #include "hyperparallel/launch_env.h"
-#include "state_dict_file.h"
-#include "state_registry.h"
+#include "sharded_param_index.h"
 
 namespace hp {
 namespace {
-
-struct ShardedParam {
-  detail::FSDPParam* param;
-  const Group* shard_group;
-};
-
-// Every sharded parameter variable, found by its TensorImpl.
-std::map<const c10::TensorImpl*, ShardedParam> sharded_params() {
-  std::map<const c10::TensorImpl*, ShardedParam> found;
-  for (const auto& state : detail::all_states()) {
-    detail::ParamGroup& group = state->group();
-    for (const auto& p : group.params()) {
-      found[p->variable().unsafeGetTensorImpl()] = {p.get(), group.comm().shard.get()};
-    }
-  }
-  return found;
-}
-
-std::string shape_text(c10::IntArrayRef shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-void require_sharded(const ShardedParam& p, const std::string& name, const char* what) {
-  if (p.param->is_unsharded()) {
-    throw std::logic_error(std::string(what) + ": parameter '" + name +
-                           "' is unsharded now (between a forward and its backward?); call "
-                           "it between steps, or reshard() first");
-  }
-}
 
 bool writes_checkpoints() {
   return std::getenv("RANK") == nullptr || LaunchEnv::from_environment().rank == 0;
@@ -58,14 +22,14 @@ bool writes_checkpoints() {
 
 StateDict get_full_state_dict(torch::nn::Module& model) {
   c10::NoGradGuard no_grad;
-  const auto sharded = sharded_params();
+  const auto sharded = detail::index_sharded_params();
   StateDict state;
   for (const auto& item : model.named_parameters()) {
     const at::Tensor& param = item.value();
     auto it = sharded.find(param.unsafeGetTensorImpl());
     at::Tensor whole;
     if (it != sharded.end()) {
-      require_sharded(it->second, item.key(), "get_full_state_dict");
+      detail::require_sharded(it->second, item.key(), "get_full_state_dict");
       const detail::FSDPParam& p = *it->second.param;
       whole = detail::gather_whole(p, p.padded_shard(), *it->second.shard_group);
     } else {
@@ -82,7 +46,7 @@ StateDict get_full_state_dict(torch::nn::Module& model) {
 
 void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool strict) {
   c10::NoGradGuard no_grad;
-  const auto sharded = sharded_params();
+  const auto sharded = detail::index_sharded_params();
   std::set<std::string> used;
   auto whole_of = [&](const std::string& name, c10::IntArrayRef shape) -> const at::Tensor& {
     const at::Tensor* found = state.find(name);
@@ -93,8 +57,8 @@ void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool 
     }
     if (found->sizes() != shape) {
       throw std::invalid_argument("set_full_state_dict: '" + name + "' has shape " +
-                                  shape_text(found->sizes()) + ", the model's is " +
-                                  shape_text(shape) + " (whole tensors expected)");
+                                  c10::str(found->sizes()) + ", the model's is " + c10::str(shape) +
+                                  " (whole tensors expected)");
     }
     used.insert(name);
     return *found;
@@ -103,7 +67,7 @@ void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool 
   for (const auto& item : model.named_parameters()) {
     auto it = sharded.find(item.value().unsafeGetTensorImpl());
     if (it != sharded.end()) {
-      require_sharded(it->second, item.key(), "set_full_state_dict");
+      detail::require_sharded(it->second, item.key(), "set_full_state_dict");
       whole_of(item.key(), it->second.param->layout().global_shape);
     } else {
       whole_of(item.key(), item.value().sizes());
@@ -132,20 +96,11 @@ void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool 
 
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path) {
   const StateDict state = get_full_state_dict(model);
-  if (!writes_checkpoints()) return;
-  const std::vector<char> bytes = detail::state_dict_to_bytes(state);
-  std::ofstream file(path, std::ios::binary);
-  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!file.flush()) throw std::runtime_error("save_full_checkpoint: cannot write " + path);
+  if (writes_checkpoints()) write_state_dict_file(state, path);
 }
 
 void load_full_checkpoint(torch::nn::Module& model, const std::string& path, bool strict) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) throw std::invalid_argument("load_full_checkpoint: cannot open " + path);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)),
-                                std::istreambuf_iterator<char>());
-  set_full_state_dict(model, detail::state_dict_from_bytes(bytes, "load_full_checkpoint: " + path),
-                      strict);
+  set_full_state_dict(model, read_state_dict_file(path), strict);
 }
 
 }  // namespace hp
