@@ -14,6 +14,7 @@
 //   auto result = schedule.step(first ? input : at::Tensor(), last ? target : at::Tensor());
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <functional>
 #include <optional>
@@ -33,6 +34,8 @@ struct PipelineStage {
   // Set when the stage is fully_shard-ed: gradients are reduced only in the last
   // microbatch's backward (the others accumulate unsharded).
   std::optional<FSDPModule> fsdp;
+  // Where activations received from the previous stage are put (this rank's device).
+  c10::Device device = c10::kCPU;
 };
 
 struct PipelineStepResult {

@@ -80,9 +80,7 @@ PipelineStepResult GPipeSchedule::step(const at::Tensor& input, const at::Tensor
       first ? split_batch(input, microbatches_, "input") : std::vector<at::Tensor>();
   const auto targets =
       last ? split_batch(target, microbatches_, "target") : std::vector<at::Tensor>();
-  const at::TensorOptions device = at::TensorOptions().device(first  ? input.device()
-                                                              : last ? target.device()
-                                                                     : at::Device(at::kCPU));
+  const at::TensorOptions device = at::TensorOptions().device(stage_.device);
 
   // Forward of every microbatch; what backward needs is kept.
   std::vector<at::Tensor> stage_inputs, stage_outputs, losses;
