@@ -116,23 +116,54 @@ struct DecoderBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DecoderBlock);
 
+// GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that
+// the initial logits are small (loss starts near log(vocab)). Draws from the global
+// generator in parameter order, so torch::manual_seed fixes the result.
+inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
+  torch::NoGradGuard no_grad;
+  const double residual_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(layers, 1));
+  for (auto& item : decoder.named_parameters()) {
+    const std::string& name = item.key();
+    at::Tensor& param = item.value();
+    if (param.dim() < 2) continue;  // norm weights stay 1
+    const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
+    param.normal_(0.0, residual_out ? residual_std : 0.02);
+  }
+}
+
+// config.layers decoder blocks, registered on `owner` as the ModuleList "layers" (names
+// "layers.<i>....").
+inline std::vector<hp::Sharded<DecoderBlock>> register_decoder_layers(
+    torch::nn::Module& owner, const TransformerConfig& config) {
+  auto list = owner.register_module("layers", torch::nn::ModuleList());
+  std::vector<hp::Sharded<DecoderBlock>> layers;
+  for (int64_t i = 0; i < config.layers; ++i) {
+    layers.emplace_back(DecoderBlock(config));
+    list->push_back(layers.back().ptr());
+  }
+  return layers;
+}
+
 struct TransformerImpl : torch::nn::Module {
   explicit TransformerImpl(const TransformerConfig& config) : config(checked(config)) {
     tok_embeddings =
         register_module("tok_embeddings", torch::nn::Embedding(config.vocab, config.dim));
     pos_embeddings =
         register_module("pos_embeddings", torch::nn::Embedding(config.max_seq, config.dim));
-    auto list = register_module("layers", torch::nn::ModuleList());
-    for (int64_t i = 0; i < config.layers; ++i) {
-      layers.emplace_back(DecoderBlock(config));
-      list->push_back(layers.back().ptr());
-    }
+    layers = register_decoder_layers(*this, config);
     norm = register_module("norm", RMSNorm(config.dim));
     init_weights();
   }
 
   // tokens: [B, T] int64, T <= max_seq. Returns logits [B, T, vocab].
   at::Tensor forward(const at::Tensor& tokens) {
+    // Tied output projection: the embedding matrix is the only copy of these weights.
+    return torch::nn::functional::linear(hidden(tokens), tok_embeddings->weight);
+  }
+
+  // The final hidden states norm(h) [B, T, dim] that the output projection maps to
+  // logits, for losses that project them themselves (e.g. chunked cross-entropy).
+  at::Tensor hidden(const at::Tensor& tokens) {
     TORCH_CHECK(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got ", tokens.sizes());
     TORCH_CHECK(tokens.size(1) <= config.max_seq, "sequence length ", tokens.size(1),
                 " exceeds max_seq ", config.max_seq);
@@ -146,8 +177,7 @@ struct TransformerImpl : torch::nn::Module {
         h = layers[i](h);
       }
     }
-    // Tied output projection: the embedding matrix is the only copy of these weights.
-    return torch::nn::functional::linear(norm(h), tok_embeddings->weight);
+    return norm(h);
   }
 
   TransformerConfig config;
@@ -164,20 +194,7 @@ struct TransformerImpl : torch::nn::Module {
     return config;
   }
 
-  // GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that
-  // the initial logits are small (loss starts near log(vocab)). Draws from the global
-  // generator in parameter order, so torch::manual_seed fixes the result.
-  void init_weights() {
-    torch::NoGradGuard no_grad;
-    const double residual_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(config.layers, 1));
-    for (auto& item : named_parameters()) {
-      const std::string& name = item.key();
-      at::Tensor& param = item.value();
-      if (param.dim() < 2) continue;  // norm weights stay 1
-      const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
-      param.normal_(0.0, residual_out ? residual_std : 0.02);
-    }
-  }
+  void init_weights() { init_decoder_weights(*this, config.layers); }
 };
 TORCH_MODULE(Transformer);
 
