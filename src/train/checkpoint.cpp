@@ -20,15 +20,25 @@ namespace {
 using torch::autograd::SavedVariableHooks;
 using torch::autograd::variable_list;
 
-std::string describe(const at::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes() << " " << t.scalar_type() << " on " << t.device();
-  return out.str();
-}
+// What the forward saved of a tensor: enough to check the rerun's, cheap to record.
+struct SavedMeta {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
+  c10::Device device;
+
+  explicit SavedMeta(const at::Tensor& t)
+      : sizes(t.sizes().vec()), dtype(t.scalar_type()), device(t.device()) {}
+  bool operator==(const SavedMeta&) const = default;
+  std::string str() const {
+    std::ostringstream out;
+    out << c10::IntArrayRef(sizes) << " " << dtype << " on " << device;
+    return out.str();
+  }
+};
 
 // --- non-reentrant: saved-tensor hooks --------------------------------------------
 
-// One run of a region: what its forward saved (described, not kept) and, after a
+// One run of a region: what its forward saved (its metadata, not the tensors) and, after a
 // rerun, the tensors backward has not taken yet.
 class Region : public std::enable_shared_from_this<Region> {
  public:
@@ -36,7 +46,7 @@ class Region : public std::enable_shared_from_this<Region> {
       : fn_(std::move(fn)), inputs_(std::move(inputs)), rng_(std::move(rng)) {}
 
   size_t note_saved(const at::Tensor& t) {
-    saved_.push_back(describe(t));
+    saved_.emplace_back(t);
     return saved_.size() - 1;
   }
 
@@ -62,14 +72,14 @@ class Region : public std::enable_shared_from_this<Region> {
   };
 
   void collect(const at::Tensor& t) {
-    if (collected_ >= saved_.size() || describe(t) != saved_[collected_]) {
+    if (collected_ >= saved_.size() || !(SavedMeta(t) == saved_[collected_])) {
       std::ostringstream what;
       what << "checkpoint: the recomputed region saved ";
       if (collected_ >= saved_.size()) {
         what << "more tensors for backward than its forward (" << saved_.size() << ")";
       } else {
-        what << "tensor #" << collected_ << " as " << describe(t) << " where its forward saved "
-             << saved_[collected_];
+        what << "tensor #" << collected_ << " as " << SavedMeta(t).str()
+             << " where its forward saved " << saved_[collected_].str();
       }
       what << ". A checkpointed function must compute the same thing when rerun: same "
               "inputs, no module state changed between forward and backward, random "
@@ -101,7 +111,7 @@ class Region : public std::enable_shared_from_this<Region> {
   CheckpointFn fn_;
   std::vector<at::Tensor> inputs_;
   std::optional<detail::RngSnapshot> rng_;
-  std::vector<std::string> saved_;
+  std::vector<SavedMeta> saved_;
   std::vector<at::Tensor> recomputed_;
   size_t collected_ = 0;
 };
