@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "hyperparallel/collectives.h"
+#include "tensor_storage.h"
 
 namespace hp::detail {
 
@@ -28,6 +29,30 @@ std::vector<int64_t> ShardLayout::local_shape() const {
   return shape;
 }
 
+int64_t ShardLayout::length_of(int64_t r) const {
+  return std::clamp<int64_t>(global_shape[dim] - r * chunk, 0, chunk);
+}
+
+void ShardLayout::copy_from_rank_major(const at::Tensor& rank_major, const at::Tensor& full) const {
+  std::vector<int64_t> by_rank = padded_local_shape;
+  by_rank.insert(by_rank.begin(), world);
+  const at::Tensor chunks = rank_major.view(by_rank);
+  for (int64_t r = 0; r < world && length_of(r) > 0; ++r) {
+    full.narrow(dim, r * chunk, length_of(r)).copy_(chunks[r].narrow(dim, 0, length_of(r)));
+  }
+}
+
+void ShardLayout::copy_to_rank_major(const at::Tensor& full, const at::Tensor& rank_major,
+                                     int64_t first, int64_t count) const {
+  std::vector<int64_t> by_rank = padded_local_shape;
+  by_rank.insert(by_rank.begin(), count);
+  const at::Tensor chunks = rank_major.view(by_rank);
+  for (int64_t i = 0; i < count && length_of(first + i) > 0; ++i) {
+    const int64_t r = first + i;
+    chunks[i].narrow(dim, 0, length_of(r)).copy_(full.narrow(dim, r * chunk, length_of(r)));
+  }
+}
+
 FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_world,
                      int64_t shard_rank, ParamPolicy policy)
     : name_(std::move(name)),
@@ -46,8 +71,26 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
   sharded_view_ =
       padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
+  if (!unsharded_aliases_shard()) {
+    const at::TensorOptions options = variable_.options().dtype(param_dtype_).requires_grad(false);
+    if (gathers_in_place()) {
+      unsharded_flat_ = at::empty({layout_.world * layout_.padded_numel}, options);
+      std::vector<int64_t> padded_full = layout_.padded_local_shape;
+      padded_full[0] = layout_.chunk * layout_.world;
+      unsharded_param_ = unsharded_flat_.view(padded_full).narrow(0, 0, layout_.global_shape[0]);
+    } else {
+      unsharded_param_ = at::empty(layout_.global_shape, options);
+      unsharded_flat_ = unsharded_param_.view(-1);
+    }
+    free_storage(unsharded_param_);  // allocated by the first unshard
+  }
   load_full(variable_.detach());
-  install_sharded();
+  variable_.set_data(sharded_view_);
+}
+
+bool FSDPParam::unsharded_aliases_shard() const {
+  return layout_.world == 1 && param_dtype_ == orig_dtype_ &&
+         padded_shard_.device() == compute_device_;
 }
 
 at::Tensor FSDPParam::local_part(const at::Tensor& full) const {
@@ -64,62 +107,89 @@ void FSDPParam::load_full(const at::Tensor& full) {
 at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {
   at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
   all_gather(gathered, padded, shard_group).wait();
-  return p.assemble_full(gathered).clone();
+  at::Tensor whole = at::empty(p.layout().global_shape, padded.options());
+  p.layout().copy_from_rank_major(gathered, whole);
+  return whole;
 }
 
 at::Tensor FSDPParam::all_gather_input() const {
+  check_variable_holds_shard();
   return padded_shard_.to(compute_device_, param_dtype_);
 }
 
-at::Tensor FSDPParam::assemble_full(const at::Tensor& gathered) const {
-  const ShardLayout& l = layout_;
-  std::vector<int64_t> padded_full = l.padded_local_shape;
-  padded_full[l.dim] = l.chunk * l.world;
-  at::Tensor full;
-  if (l.dim == 0) {
-    full = gathered.view(padded_full).narrow(0, 0, l.global_shape[0]);  // no copy-out
+at::Tensor FSDPParam::all_gather_output() {
+  const int64_t numel = layout_.world * layout_.padded_numel;
+  if (!gathers_in_place()) return at::empty({numel}, unsharded_param_.options());
+  allocate_storage(unsharded_flat_, numel * unsharded_flat_.element_size());
+  return unsharded_flat_;
+}
+
+void FSDPParam::copy_out(const at::Tensor& rank_major) {
+  c10::NoGradGuard no_grad;
+  if (rank_major.is_same(unsharded_flat_)) return;  // gathered in place
+  allocate_storage(unsharded_flat_, unsharded_flat_.numel() * unsharded_flat_.element_size());
+  if (gathers_in_place()) {
+    const std::vector<int64_t> by_rank = {layout_.world, layout_.padded_numel};
+    unsharded_flat_.view(by_rank).copy_(rank_major.view(by_rank));
   } else {
-    std::vector<int64_t> rank_major = l.padded_local_shape;
-    rank_major.insert(rank_major.begin(), l.world);
-    full = gathered.view(rank_major)
-               .movedim(0, l.dim)
-               .reshape(padded_full)
-               .narrow(l.dim, 0, l.global_shape[l.dim])
-               .contiguous();
+    layout_.copy_from_rank_major(rank_major, unsharded_param_);
   }
-  return full;
 }
 
-at::Tensor FSDPParam::post_forward_shard(int64_t index, int64_t parts) const {
-  const int64_t length = gathered_.numel() / parts;
-  return gathered_.narrow(0, index * length, length).clone();
+void FSDPParam::unshard_locally() {
+  if (!unsharded_aliases_shard()) copy_out(all_gather_input());
 }
 
-void FSDPParam::install_unsharded(const at::Tensor& gathered) {
-  at::Tensor full = assemble_full(gathered);
-  gathered_ = gathered;
-  if (!unsharded_) {
+at::Tensor FSDPParam::post_forward_part(int64_t index, int64_t parts) const {
+  const int64_t count = layout_.world / parts;
+  if (gathers_in_place()) {
+    const int64_t length = count * layout_.padded_numel;
+    return unsharded_flat_.narrow(0, index * length, length).clone();
+  }
+  at::Tensor part = at::zeros({count * layout_.padded_numel}, unsharded_param_.options());
+  layout_.copy_to_rank_major(unsharded_param_, part, index * count, count);
+  return part;
+}
+
+int64_t FSDPParam::unsharded_bytes() const {
+  if (!unsharded_param_.defined()) return 0;
+  return static_cast<int64_t>(unsharded_param_.storage().nbytes());
+}
+
+void FSDPParam::check_variable_holds_shard() const {
+  if (is_unsharded_ || variable_.is_alias_of(padded_shard_)) return;
+  throw std::logic_error(
+      "parameter '" + name_ +
+      "' no longer holds its local shard: something outside fully_shard replaced its data "
+      "(module->to(), set_data). Move or cast the model before calling fully_shard; for "
+      "lower-precision compute use mp_policy, for host memory offload_policy");
+}
+
+void FSDPParam::install_unsharded() {
+  if (!is_unsharded_) {
+    check_variable_holds_shard();
     stashed_sharded_grad_ = variable_.grad();
     variable_.mutable_grad() = at::Tensor();
   }
-  variable_.set_data(full);
-  unsharded_ = true;
+  variable_.set_data(unsharded_aliases_shard() ? sharded_view_ : unsharded_param_);
+  is_unsharded_ = true;
 }
 
 void FSDPParam::install_sharded() {
-  if (unsharded_) {
+  if (is_unsharded_) {
     // An unsharded gradient still on the variable was never taken for reduction
     // (no backward ran since): it must not survive the shape change.
     variable_.mutable_grad() = std::move(stashed_sharded_grad_);
     stashed_sharded_grad_ = at::Tensor();
+    variable_.set_data(sharded_view_);
+    is_unsharded_ = false;
   }
-  variable_.set_data(sharded_view_);
-  gathered_ = at::Tensor();
-  unsharded_ = false;
+  // Also when never installed: an abandoned all-gather may have filled the storage.
+  if (unsharded_param_.defined()) free_storage(unsharded_param_);
 }
 
 at::Tensor& FSDPParam::sharded_grad() {
-  return unsharded_ ? stashed_sharded_grad_ : variable_.mutable_grad();
+  return is_unsharded_ ? stashed_sharded_grad_ : variable_.mutable_grad();
 }
 
 void FSDPParam::keep_unsharded_grad(at::Tensor grad) {
@@ -127,7 +197,7 @@ void FSDPParam::keep_unsharded_grad(at::Tensor grad) {
 }
 
 at::Tensor FSDPParam::take_unsharded_grad() {
-  if (!unsharded_) return {};
+  if (!is_unsharded_) return {};
   at::Tensor grad = variable_.grad();
   if (grad.defined()) variable_.mutable_grad() = at::Tensor();
   if (accumulated_unsharded_grad_.defined()) {
@@ -150,23 +220,16 @@ ReduceScatterInput FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_g
   // Ownership follows from the code path, never from comparing storage pointers: .to()
   // allocates only when the dtype changes; view() never does; padding always does.
   ReduceScatterInput input;
-  at::Tensor grad = unsharded_grad.to(reduce_dtype);
-  input.owned = reduce_dtype != unsharded_grad.scalar_type();
   const bool aligned = l.global_shape[l.dim] == l.chunk * l.world;
-  if (l.dim == 0 && aligned && grad.is_contiguous()) {
-    input.flat = grad.view(-1);
+  if (l.dim == 0 && aligned && unsharded_grad.is_contiguous()) {
+    input.flat = unsharded_grad.to(reduce_dtype).view(-1);
+    input.owned = reduce_dtype != unsharded_grad.scalar_type();
     return input;
   }
-  std::vector<int64_t> padded_full = l.padded_local_shape;
-  padded_full[l.dim] = l.chunk * l.world;
-  at::Tensor padded = at::zeros(padded_full, grad.options());
-  padded.narrow(l.dim, 0, l.global_shape[l.dim]).copy_(grad);
-  if (l.dim != 0) {
-    std::vector<int64_t> split = l.padded_local_shape;  // dim -> (world, chunk)
-    split.insert(split.begin() + l.dim, l.world);
-    padded = padded.view(split).movedim(l.dim, 0).contiguous();
-  }
-  input.flat = padded.view(-1);
+  // Padding is reduced along with the gradient, so it must be zero. The cast, if any,
+  // happens in the same copy.
+  input.flat = at::zeros({l.world * l.padded_numel}, unsharded_grad.options().dtype(reduce_dtype));
+  l.copy_to_rank_major(unsharded_grad, input.flat, 0, l.world);
   input.owned = true;
   return input;
 }
@@ -213,6 +276,12 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
     grad = main_grad_;
   } else if (grad.defined()) {
     grad.add_(local.to(shard_device, orig_dtype_));
+  } else if (local.scalar_type() == orig_dtype_ && local.device() == shard_device &&
+             local.is_contiguous()) {
+    // The reduce buffer's memory, no copy. Not an autograd view of the buffer:
+    // optimizers' zero_grad detach_()es gradients in place, which views refuse.
+    grad = at::empty({0}, local.options())
+               .set_(local.storage(), local.storage_offset(), local.sizes(), local.strides());
   } else {
     grad = local.to(shard_device, orig_dtype_, /*non_blocking=*/false, /*copy=*/true).contiguous();
   }

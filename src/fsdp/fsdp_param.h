@@ -43,6 +43,14 @@ struct ShardLayout {
   ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t world_size,
               int64_t rank_in_group);
   std::vector<int64_t> local_shape() const;
+  // Entries of rank r's chunk along `dim` (fewer for the last ranks, 0 for padding).
+  int64_t length_of(int64_t r) const;
+  // Copies a rank-major [world x padded_numel] gather into `full` (global shape).
+  void copy_from_rank_major(const at::Tensor& rank_major, const at::Tensor& full) const;
+  // Copies the chunks of ranks [first, first + count) of `full` into `rank_major`
+  // ([count x padded_numel]); its padding is left untouched.
+  void copy_to_rank_major(const at::Tensor& full, const at::Tensor& rank_major, int64_t first,
+                          int64_t count) const;
 };
 
 // A gradient laid out for reduce-scatter ([world x padded_numel], rank-major), and
@@ -66,28 +74,49 @@ class FSDPParam {
   bool requires_grad() const { return variable_.requires_grad(); }
 
   // --- unshard / reshard -------------------------------------------------------
-  // The padded shard in param dtype: the shard itself when no cast is needed.
+  // The unsharded parameter is one tensor for the parameter's whole life (in param
+  // dtype, on the compute device). Resharding frees its storage; the next unshard
+  // allocates the same storage again and refills it, so views of it that autograd saved
+  // in forward read the refilled data in backward.
+  //
+  // The padded shard in param dtype, on the compute device: the all-gather input (the
+  // shard itself when no cast or move is needed).
   at::Tensor all_gather_input() const;
-  // gathered: [world x padded_numel], rank-major. The whole parameter: a view of
-  // `gathered` for Shard(0), a reordered copy otherwise.
-  at::Tensor assemble_full(const at::Tensor& gathered) const;
-  // Installs assemble_full(gathered) (gathered in param dtype) as the variable's data.
-  void install_unsharded(const at::Tensor& gathered);
-  // Part `index` of `parts` equal parts of the gathered buffer (a copy): what this rank
-  // keeps after forward when resharding to a group of `parts` ranks.
-  at::Tensor post_forward_shard(int64_t index, int64_t parts) const;
+  // Where a [world x padded_numel] rank-major all-gather of this parameter should land:
+  // the unsharded storage itself for Shard(0) (allocated now), so that no copy-out is
+  // needed; a new buffer otherwise. `gathers_in_place()` tells which.
+  at::Tensor all_gather_output();
+  bool gathers_in_place() const { return layout_.dim == 0; }
+  // Fills the unsharded storage from a rank-major all-gather result (nothing to do when
+  // it is all_gather_output() of an in-place layout).
+  void copy_out(const at::Tensor& rank_major);
+  // Unshards without communication (a shard group of one rank): the shard itself when
+  // no cast or move is needed, else a copy into the unsharded storage.
+  void unshard_locally();
+  // Points the variable at the unsharded tensor (filled by copy_out / unshard_locally).
+  void install_unsharded();
+  // Points the variable back at the shard and frees the unsharded storage.
+  void install_sharded();
+  bool is_unsharded() const { return is_unsharded_; }
+  // Ranks [index * world / parts, (index + 1) * world / parts) of the rank-major
+  // unsharded data (a copy, [world / parts x padded_numel]): what this rank keeps after
+  // forward when resharding to a group of `parts` ranks.
+  at::Tensor post_forward_part(int64_t index, int64_t parts) const;
+  // Bytes the unsharded storage holds now (0 once freed, or when it aliases the shard).
+  int64_t unsharded_bytes() const;
   // The padded shard in the parameter's own dtype, on the compute device.
   at::Tensor padded_shard() const { return padded_shard_.to(compute_device_); }
   // A local-shard-shaped tensor laid out as a [padded_numel] shard of `dtype`.
   at::Tensor pad_local(const at::Tensor& local, c10::ScalarType dtype) const;
-  void install_sharded();
-  bool is_unsharded() const { return unsharded_; }
   // This rank's part of a tensor shaped like the whole parameter (a view; may be empty).
   at::Tensor local_part(const at::Tensor& full) const;
   // Copies this rank's part of the whole parameter into the shard (padding stays zero).
   void load_full(const at::Tensor& full);
   // The local shard in the parameter's own dtype and shape (a view of the padded shard).
   const at::Tensor& sharded_view() const { return sharded_view_; }
+  // Throws when the variable no longer holds the shard while sharded: something outside
+  // fully_shard (module->to(), set_data) replaced it, and the next unshard would undo it.
+  void check_variable_holds_shard() const;
 
   // --- gradients ----------------------------------------------------------------
   // Moves the unsharded gradient produced by backward out of the variable, adding any
@@ -100,8 +129,9 @@ class FSDPParam {
                                           c10::ScalarType reduce_dtype) const;
   c10::ScalarType reduce_dtype(const at::Tensor& unsharded_grad) const;
   // reduced: this rank's [padded_numel] chunk of the reduced gradient. Adds it to the
-  // sharded gradient (or the fp32 main grad). `partial`: not yet all-reduced over the
-  // replicate dimension (set_requires_all_reduce(false)).
+  // sharded gradient (or the fp32 main grad); when there is none yet and dtype, device and
+  // layout allow, the gradient is a view of `reduced` (no copy). `partial`: not yet
+  // all-reduced over the replicate dimension (set_requires_all_reduce(false)).
   void accumulate_sharded_grad(const at::Tensor& reduced, bool partial);
   // The sharded gradient when it is partial, removed from the parameter, as a
   // [padded_numel] tensor of `dtype` (zero padded); undefined otherwise. It joins the
@@ -114,6 +144,9 @@ class FSDPParam {
   void zero_grad();
 
  private:
+  // Whether unsharding needs no buffer of its own: one shard rank, no cast, no move.
+  bool unsharded_aliases_shard() const;
+
   std::string name_;
   at::Tensor variable_;
   ShardLayout layout_;
@@ -123,8 +156,12 @@ class FSDPParam {
   c10::Device compute_device_;
   at::Tensor padded_shard_;  // [padded_numel], orig dtype; padding stays zero
   at::Tensor sharded_view_;  // local shard shape, a view of padded_shard_
-  bool unsharded_ = false;
-  at::Tensor gathered_;  // while unsharded: the [world x padded_numel] all-gather output
+  bool is_unsharded_ = false;
+  // The persistent unsharded parameter (global shape, param dtype) and its storage seen
+  // flat: [world x padded_numel] rank-major for Shard(0) (the all-gather lands in it),
+  // [numel] otherwise. Undefined when unsharding aliases the shard.
+  at::Tensor unsharded_param_;
+  at::Tensor unsharded_flat_;
   at::Tensor accumulated_unsharded_grad_;
   at::Tensor main_grad_;
   bool grad_is_partial_ = false;

@@ -4,33 +4,10 @@
 
 #include <stdexcept>
 
+#include "fsdp_collectives.h"
 #include "hyperparallel/trace.h"
 
 namespace hp::detail {
-namespace {
-
-// Slots of the fused reduce buffer start on 512-byte boundaries, as the all-reduce
-// backends prefer aligned inputs.
-constexpr int64_t kSlotAlignmentBytes = 512;
-
-// Releases the memory of a buffer this library allocated, even if a view of it is
-// still referenced somewhere.
-void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageImpl()->reset(); }
-
-// Zeroes the alignment padding between the slots of a fused buffer (the columns of
-// `rows`, one row per rank or a single row): it is reduced along with the slots. The
-// slots themselves are overwritten in full.
-void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offsets,
-                        const std::vector<FSDPParam*>& params) {
-  const int64_t total = rows.size(-1);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int64_t end = offsets[i] + params[i]->layout().padded_numel;
-    const int64_t next = i + 1 < params.size() ? offsets[i + 1] : total;
-    if (next > end) rows.narrow(-1, end, next - end).zero_();
-  }
-}
-
-}  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
                        std::vector<ReplicatedParam> replicated, GroupComm comm, bool comm_fusion)
@@ -70,17 +47,16 @@ void ParamGroup::wait_for_unshard() {
 
 void ParamGroup::reshard() {
   if (state_ == State::kPending) {
-    // Let the collective finish (its buffers are in use), but install nothing.
+    // Let the collective finish (its buffers are in use), but install nothing; what it
+    // gathered into the unsharded storage is freed below.
     state_ = State::kSharded;
     pending_unshard_.wait();
     pending_unshard_ = CommHandle();
-    return;
   }
-  if (state_ == State::kUnsharded) {
-    for (auto& p : params_) p->install_sharded();
-    state_ = State::kSharded;
-  }
-  post_forward_shards_.clear();
+  // Sharded parameters may still hold gathered storage: a pending unshard was abandoned.
+  for (auto& p : params_) p->install_sharded();
+  state_ = State::kSharded;
+  post_forward_parts_.clear();
 }
 
 void ParamGroup::reshard_to_post_forward_group() {
@@ -88,85 +64,46 @@ void ParamGroup::reshard_to_post_forward_group() {
   if (state_ != State::kUnsharded) return;
   const int64_t parts = post_forward_group_->size();
   std::vector<at::Tensor> kept;
-  for (auto& p : params_) kept.push_back(p->post_forward_shard(post_forward_group_->rank(), parts));
+  for (auto& p : params_) kept.push_back(p->post_forward_part(post_forward_group_->rank(), parts));
   reshard();
-  post_forward_shards_ = std::move(kept);
+  post_forward_parts_ = std::move(kept);
 }
 
 CommHandle ParamGroup::issue_all_gather() {
-  const Group& group = *comm_.shard;
-  const int64_t world = group.size();
   // Every path installs only if the unshard is still wanted when it completes.
-  if (world == 1 || params_.empty()) {
+  if (comm_.shard->size() == 1 || params_.empty()) {
     // No communication: record the pending unshard; materialise from the latest shard
     // when someone waits (seed 000).
     return CommHandle::deferred([this] {
       if (state_ != State::kPending) return;
-      for (auto& p : params_) p->install_unsharded(p->all_gather_input());
-      state_ = State::kUnsharded;
+      for (auto& p : params_) p->unshard_locally();
+      install_unsharded();
     });
   }
-  if (!post_forward_shards_.empty()) {
+  std::vector<FSDPParam*> params;
+  for (auto& p : params_) params.push_back(p.get());
+  std::vector<at::Tensor> inputs;
+  const Group* group = comm_.shard.get();
+  if (!post_forward_parts_.empty()) {
     // Resharded to a smaller group after forward: gather within it only.
-    std::vector<at::Tensor> outputs;
-    std::vector<CommHandle> gathers;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& part = post_forward_shards_[i];
-      outputs.push_back(at::empty({part.numel() * post_forward_group_->size()}, part.options()));
-      gathers.push_back(all_gather(outputs.back(), part, *post_forward_group_));
-    }
-    post_forward_shards_.clear();
-    return install_when_done(std::move(outputs), std::move(gathers));
+    inputs = std::move(post_forward_parts_);
+    post_forward_parts_.clear();
+    group = post_forward_group_.get();
+  } else {
+    for (FSDPParam* p : params) inputs.push_back(p->all_gather_input());
   }
-  if (!comm_fusion_) {
-    // One all-gather per parameter, straight from the shard into the unsharded
-    // buffer: no copy-in, and for Shard(0) no copy-out either.
-    std::vector<at::Tensor> outputs;
-    std::vector<CommHandle> gathers;
-    for (auto& p : params_) {
-      at::Tensor input = p->all_gather_input();
-      outputs.push_back(at::empty({world * p->layout().padded_numel}, input.options()));
-      gathers.push_back(all_gather(outputs.back(), input, group));
-    }
-    return install_when_done(std::move(outputs), std::move(gathers));
-  }
-  // comm_fusion: copy the shards into one input, one all-gather, copy out per param.
-  std::vector<int64_t> offsets;
-  int64_t total = 0;
-  for (auto& p : params_) {
-    offsets.push_back(total);
-    total += p->layout().padded_numel;
-  }
-  const at::Tensor first = params_.front()->all_gather_input();
-  at::Tensor input = at::empty({total}, first.options());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    input.narrow(0, offsets[i], params_[i]->layout().padded_numel)
-        .copy_(params_[i]->all_gather_input());
-  }
-  at::Tensor output = at::empty({world * total}, input.options());
-  CommHandle gather = all_gather(output, input, group);
-  return CommHandle::after({gather}, [this, input, output, offsets, world, total] {
-    if (state_ == State::kPending) {
-      at::Tensor by_rank = output.view({world, total});
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const int64_t n = params_[i]->layout().padded_numel;
-        params_[i]->install_unsharded(by_rank.narrow(1, offsets[i], n).contiguous().view(-1));
-      }
-      state_ = State::kUnsharded;
-    }
-    // The fused buffers are released right after copy-out.
-    free_storage(output);
-    free_storage(input);
+  auto result = std::make_shared<AllGatherResult>(
+      all_gather_params(params, inputs, *group, comm_fusion_ && group == comm_.shard.get()));
+  return CommHandle::after({result->handle}, [this, params, result] {
+    if (state_ != State::kPending) return;
+    copy_out_all_gather(params, *result);
+    install_unsharded();
   });
 }
 
-CommHandle ParamGroup::install_when_done(std::vector<at::Tensor> outputs,
-                                         std::vector<CommHandle> gathers) {
-  return CommHandle::after(std::move(gathers), [this, outputs] {
-    if (state_ != State::kPending) return;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i]->install_unsharded(outputs[i]);
-    state_ = State::kUnsharded;
-  });
+void ParamGroup::install_unsharded() {
+  for (auto& p : params_) p->install_unsharded();
+  state_ = State::kUnsharded;
 }
 
 void ParamGroup::stash_replicated_grads() {
@@ -223,70 +160,25 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
     return;
   }
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
-
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
-  const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(dtype));
-  int64_t total = 0;
-  for (FSDPParam* p : r.params) {
-    r.offsets.push_back(total);
-    total += (p->layout().padded_numel + align - 1) / align * align;
-  }
-  const at::TensorOptions options = grads.front().options().dtype(dtype);
-  r.buffer = at::empty({total}, options);
-  const Group& reduce = *comm_.shard_reduce;
-  const int64_t world = reduce.size();
-  if (comm_fusion_ && world > 1) {
-    // One reduce-scatter: rank-major input laid out like the buffer, so its output
-    // lands in the buffer as is.
-    at::Tensor input = at::empty({world, total}, options);
-    zero_between_slots(input, r.offsets, r.params);
-    for (size_t i = 0; i < r.params.size(); ++i) {
-      ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
-      const int64_t n = r.params[i]->layout().padded_numel;
-      input.narrow(1, r.offsets[i], n).copy_(part.flat.view({world, n}));
-      // Copied: released now rather than after the collective, so that the fused
-      // input does not double the gradient memory of a reduction in flight.
-      release_reduce_input(part);
-      grads[i] = at::Tensor();
-    }
-    r.inputs.push_back({input.view(-1), /*owned=*/true});
-    r.reduce_scatters.push_back(reduce_scatter(r.buffer, input.view(-1), ReduceOp::kSum, reduce));
-    return;
-  }
-  zero_between_slots(r.buffer, r.offsets, r.params);
-  for (size_t i = 0; i < r.params.size(); ++i) {
-    ReduceScatterInput part = r.params[i]->reduce_scatter_input(grads[i], dtype);
-    at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
-    r.reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, reduce));
-    r.inputs.push_back(std::move(part));
-  }
-}
-
-void ParamGroup::release_reduce_input(ReduceScatterInput& input) {
-  // Seed 002: only what this library allocated is freed; a view of the caller's
-  // gradient is merely dropped.
-  if (input.owned) {
-    free_storage(input.flat);
-    ++stats_.freed_owned;
-  } else {
-    ++stats_.kept_aliased;
-  }
-  input.flat = at::Tensor();
+  r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *comm_.shard_reduce,
+                                   comm_fusion_, stats_);
 }
 
 void ParamGroup::wait_reduce_scatter() {
   if (!pending_ || pending_->reduce_scatters_done) return;
   PendingReduce& r = *pending_;
   r.reduce_scatters_done = true;
-  if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitBegin, "reduce_scatter", label_);
-  for (auto& handle : r.reduce_scatters) handle.wait();
-  if (!r.reduce_scatters.empty()) trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
-  for (auto& input : r.inputs) release_reduce_input(input);
-  r.inputs.clear();
+  if (r.scatter.handle.pending()) {
+    trace::record(trace::Kind::kWaitBegin, "reduce_scatter", label_);
+    r.scatter.handle.wait();
+    trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
+  }
+  release_reduce_inputs(r.scatter.inputs, stats_);
   if (r.params.empty()) return;
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones.
-  if (r.settings.divide_factor != 1.0) r.buffer.div_(r.settings.divide_factor);
+  if (r.settings.divide_factor != 1.0) r.scatter.buffer.div_(r.settings.divide_factor);
   const bool has_replicas = comm_.replicate->size() > 1;
   if (!has_replicas || !r.settings.all_reduce) {
     r.partial = has_replicas;
@@ -301,19 +193,17 @@ void ParamGroup::start_all_reduce() {
   r.all_reduce_started = true;
   if (r.params.empty()) return;  // installed already: nothing to all-reduce
   for (size_t i = 0; i < r.params.size(); ++i) {
-    at::Tensor partial = r.params[i]->take_partial_grad(r.buffer.scalar_type());
-    if (partial.defined()) r.buffer.narrow(0, r.offsets[i], partial.numel()).add_(partial);
+    at::Tensor partial = r.params[i]->take_partial_grad(r.scatter.buffer.scalar_type());
+    if (partial.defined())
+      r.scatter.buffer.narrow(0, r.scatter.offsets[i], partial.numel()).add_(partial);
   }
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
   trace::record(trace::Kind::kIssue, "all_reduce", label_);
-  r.all_reduce = all_reduce(r.buffer, ReduceOp::kSum, *comm_.replicate);
+  r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *comm_.replicate);
 }
 
 void ParamGroup::install_sharded_grads(PendingReduce& r) {
-  for (size_t i = 0; i < r.params.size(); ++i) {
-    at::Tensor slot = r.buffer.narrow(0, r.offsets[i], r.params[i]->layout().padded_numel);
-    r.params[i]->accumulate_sharded_grad(slot, r.partial);
-  }
+  install_reduced_grads(r.params, r.scatter.buffer, r.scatter.offsets, r.partial);
   r.params.clear();
 }
 

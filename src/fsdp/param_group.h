@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "fsdp_collectives.h"
 #include "fsdp_param.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/comm_handle.h"
@@ -94,22 +95,17 @@ class ParamGroup {
   enum class State { kSharded, kPending, kUnsharded };
 
   CommHandle issue_all_gather();
-  // A pending unshard that installs outputs[i] into params_[i] once gathers are done.
-  CommHandle install_when_done(std::vector<at::Tensor> outputs, std::vector<CommHandle> gathers);
+  void install_unsharded();
   void start_replicated_reduce(const ReduceSettings& settings);
-  // A reduce-scatter input no longer needed: freed if this library allocated it.
-  void release_reduce_input(ReduceScatterInput& input);
 
   struct PendingReduce {
     ReduceSettings settings;
-    std::vector<FSDPParam*> params;
-    std::vector<int64_t> offsets;  // slot of each param in `buffer`, 512-byte aligned
-    at::Tensor buffer;             // reduce-scatter outputs, then the all-reduce input
-    std::vector<ReduceScatterInput> inputs;
-    std::vector<CommHandle> reduce_scatters;
+    std::vector<FSDPParam*> params;  // cleared once their sharded gradients are installed
+    // The reduce-scatters; then its buffer is the fused replicate-dim all-reduce input.
+    ReduceScatterResult scatter;
     std::vector<std::pair<ReplicatedParam*, at::Tensor>> replicated;  // grads being reduced
     std::vector<CommHandle> replicated_all_reduces;
-    CommHandle all_reduce;  // the fused replicate-dim all-reduce of `buffer`
+    CommHandle all_reduce;  // the fused replicate-dim all-reduce of scatter.buffer
     bool partial = false;   // gradients not all-reduced over an existing replicate dim
     bool reduce_scatters_done = false;
     bool all_reduce_started = false;
@@ -124,7 +120,7 @@ class ParamGroup {
   State state_ = State::kSharded;
   CommHandle pending_unshard_;
   GroupPtr post_forward_group_;
-  std::vector<at::Tensor> post_forward_shards_;  // set while resharded to that group
+  std::vector<at::Tensor> post_forward_parts_;  // set while resharded to that group
   std::optional<PendingReduce> pending_;
   ReduceBufferStats stats_;
 };

@@ -1,0 +1,135 @@
+#include "fsdp_collectives.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "hyperparallel/collectives.h"
+#include "tensor_storage.h"
+
+namespace hp::detail {
+namespace {
+
+// Slots of the fused reduce buffer start on 512-byte boundaries, as the all-reduce
+// backends prefer aligned inputs.
+constexpr int64_t kSlotAlignmentBytes = 512;
+
+// Zeroes the alignment padding between the slots of a fused buffer (the columns of
+// `rows`, one row per rank or a single row): it is reduced along with the slots. The
+// slots themselves are overwritten in full.
+void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offsets,
+                        const std::vector<FSDPParam*>& params) {
+  const int64_t total = rows.size(-1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t end = offsets[i] + params[i]->layout().padded_numel;
+    const int64_t next = i + 1 < params.size() ? offsets[i + 1] : total;
+    if (next > end) rows.narrow(-1, end, next - end).zero_();
+  }
+}
+
+}  // namespace
+
+AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
+                                  const std::vector<at::Tensor>& inputs, const Group& group,
+                                  bool comm_fusion) {
+  c10::NoGradGuard no_grad;
+  AllGatherResult result;
+  const int64_t world = group.size();
+  if (!comm_fusion) {
+    std::vector<CommHandle> gathers;
+    for (size_t i = 0; i < params.size(); ++i) {
+      result.outputs.push_back(params[i]->all_gather_output());
+      gathers.push_back(all_gather(result.outputs.back(), inputs[i], group));
+    }
+    result.handle = CommHandle::after(std::move(gathers), {});
+    return result;
+  }
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const at::Tensor& input : inputs) {
+    offsets.push_back(total);
+    total += input.numel();
+  }
+  at::Tensor input = at::empty({total}, inputs.front().options());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    input.narrow(0, offsets[i], inputs[i].numel()).copy_(inputs[i]);
+  }
+  at::Tensor output = at::empty({world, total}, input.options());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    result.outputs.push_back(output.narrow(1, offsets[i], inputs[i].numel()));
+  }
+  result.handle = all_gather(output.view(-1), input, group);
+  return result;
+}
+
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, const AllGatherResult& result) {
+  for (size_t i = 0; i < params.size(); ++i) params[i]->copy_out(result.outputs[i]);
+}
+
+ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
+                                         std::vector<at::Tensor> grads,
+                                         c10::ScalarType reduce_dtype, const Group& group,
+                                         bool comm_fusion, ReduceBufferStats& stats) {
+  c10::NoGradGuard no_grad;
+  ReduceScatterResult result;
+  const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(reduce_dtype));
+  int64_t total = 0;
+  for (FSDPParam* p : params) {
+    result.offsets.push_back(total);
+    total += (p->layout().padded_numel + align - 1) / align * align;
+  }
+  const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
+  result.buffer = at::empty({total}, options);
+  const int64_t world = group.size();
+  if (comm_fusion && world > 1) {
+    // One reduce-scatter: rank-major input laid out like the buffer, so its output
+    // lands in the buffer as is.
+    at::Tensor input = at::empty({world, total}, options);
+    zero_between_slots(input, result.offsets, params);
+    for (size_t i = 0; i < params.size(); ++i) {
+      std::vector<ReduceScatterInput> part = {
+          params[i]->reduce_scatter_input(grads[i], reduce_dtype)};
+      const int64_t n = params[i]->layout().padded_numel;
+      input.narrow(1, result.offsets[i], n).copy_(part.front().flat.view({world, n}));
+      // Copied: released now rather than after the collective, so that the fused
+      // input does not double the gradient memory of a reduction in flight.
+      release_reduce_inputs(part, stats);
+      grads[i] = at::Tensor();
+    }
+    result.inputs.push_back({input.view(-1), /*owned=*/true});
+    result.handle = reduce_scatter(result.buffer, input.view(-1), ReduceOp::kSum, group);
+    return result;
+  }
+  zero_between_slots(result.buffer, result.offsets, params);
+  std::vector<CommHandle> reduce_scatters;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ReduceScatterInput part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+    grads[i] = at::Tensor();
+    at::Tensor slot = result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
+    reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, group));
+    result.inputs.push_back(std::move(part));
+  }
+  result.handle = CommHandle::after(std::move(reduce_scatters), {});
+  return result;
+}
+
+void release_reduce_inputs(std::vector<ReduceScatterInput>& inputs, ReduceBufferStats& stats) {
+  for (ReduceScatterInput& input : inputs) {
+    if (input.owned) {
+      free_storage(input.flat);
+      ++stats.freed_owned;
+    } else {
+      ++stats.kept_aliased;
+    }
+  }
+  inputs.clear();
+}
+
+void install_reduced_grads(const std::vector<FSDPParam*>& params, const at::Tensor& buffer,
+                           const std::vector<int64_t>& offsets, bool partial) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor slot = buffer.narrow(0, offsets[i], params[i]->layout().padded_numel);
+    params[i]->accumulate_sharded_grad(slot, partial);
+  }
+}
+
+}  // namespace hp::detail

@@ -1,0 +1,68 @@
+#pragma once
+// The data path of unshard and gradient reduction, as functions over a list of
+// parameters (the shape of FSDP2's foreach_all_gather / foreach_reduce). They keep no
+// state: ParamGroup owns the state machine and the backward schedule and calls these.
+// Device-neutral: each takes the process group it communicates over and returns the
+// buffers it made plus one handle for the collectives in flight.
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "fsdp_param.h"
+#include "hyperparallel/comm_handle.h"
+#include "hyperparallel/process_group.h"
+#include "hyperparallel/reduce_buffer_stats.h"
+
+namespace hp::detail {
+
+struct AllGatherResult {
+  CommHandle handle;
+  // Per parameter, its rank-major [world x padded_numel] gathered data: the parameter's
+  // own unsharded storage where the layout allows (per-parameter mode, Shard(0)), a
+  // view of the one fused output buffer with comm_fusion.
+  std::vector<at::Tensor> outputs;
+};
+
+// All-gathers inputs[i] (parameter i's padded shard in param dtype, or the part it kept
+// after forward) over `group`. Per-parameter mode issues one all-gather per parameter,
+// straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
+// copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather.
+AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
+                                  const std::vector<at::Tensor>& inputs, const Group& group,
+                                  bool comm_fusion);
+
+// After result.handle completed: every parameter's unsharded tensor holds its whole
+// value (copy-out where the all-gather did not land in place).
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, const AllGatherResult& result);
+
+struct ReduceScatterResult {
+  CommHandle handle;
+  // This rank's reduced chunks, one 512-byte aligned slot per parameter (offsets): the
+  // fused all-reduce input, and what the sharded gradients become views of.
+  at::Tensor buffer;
+  std::vector<int64_t> offsets;
+  // Reduce-scatter inputs in use by the collectives; released (release_reduce_inputs)
+  // once the handle completed.
+  std::vector<ReduceScatterInput> inputs;
+};
+
+// Reduce-scatters grads[i] (parameter i's unsharded gradient) in `reduce_dtype` over
+// `group`, summing. Per-parameter mode reduce-scatters each gradient into its slot;
+// comm_fusion lays all of them out rank-major in one input (releasing each gradient's
+// own input as soon as it is copied) and issues one reduce-scatter into the buffer.
+ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
+                                         std::vector<at::Tensor> grads,
+                                         c10::ScalarType reduce_dtype, const Group& group,
+                                         bool comm_fusion, ReduceBufferStats& stats);
+
+// Frees the inputs this library allocated (seed 002: a view of the caller's gradient is
+// only dropped).
+void release_reduce_inputs(std::vector<ReduceScatterInput>& inputs, ReduceBufferStats& stats);
+
+// Adds each parameter's slot of the reduced buffer to its sharded gradient (see
+// FSDPParam::accumulate_sharded_grad: a view of the buffer when there is none yet).
+void install_reduced_grads(const std::vector<FSDPParam*>& params, const at::Tensor& buffer,
+                           const std::vector<int64_t>& offsets, bool partial);
+
+}  // namespace hp::detail

@@ -1,0 +1,23 @@
+#include "tensor_storage.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
+
+namespace hp::detail {
+
+void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageImpl()->reset(); }
+
+void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->data() != nullptr) return;
+  c10::Allocator* allocator = storage->allocator();
+  if (allocator == nullptr) allocator = c10::GetAllocator(storage->device_type());
+  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+bool storage_is_allocated(const at::Tensor& tensor) {
+  return tensor.storage().unsafeGetStorageImpl()->data() != nullptr;
+}
+
+}  // namespace hp::detail

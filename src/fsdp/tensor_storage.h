@@ -1,0 +1,19 @@
+#pragma once
+// Freeing and re-allocating a tensor's storage in place. Every tensor and view that shares
+// the storage sees the change: after free_storage they have no data (reading them fails
+// with "data is not allocated"), after allocate_storage they read the new memory.
+
+#include <ATen/core/Tensor.h>
+
+namespace hp::detail {
+
+// Releases the memory, even if views of the storage are still referenced somewhere.
+void free_storage(const at::Tensor& tensor);
+
+// Gives the storage `nbytes` of new (uninitialized) memory from its own allocator, if it
+// has none now.
+void allocate_storage(const at::Tensor& tensor, int64_t nbytes);
+
+bool storage_is_allocated(const at::Tensor& tensor);
+
+}  // namespace hp::detail
