@@ -8,7 +8,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
 
 namespace hp::testing {
 
@@ -25,14 +29,38 @@ class CpuMemoryProbe final : public c10::Allocator {
   int64_t peak_above(int64_t baseline) const { return peak_.load() - baseline; }
   int64_t live() const { return live_.load(); }
 
+  // Live bytes once Gloo's worker threads have let go of the tensors of collectives that
+  // already completed (they drop their references a moment after signalling completion).
+  int64_t settled_live() const {
+    int64_t previous = live();
+    for (int i = 0; i < 100; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const int64_t now = live();
+      if (now == previous) return now;
+      previous = now;
+    }
+    return previous;
+  }
+
   c10::DataPtr allocate(size_t bytes) override {
-    auto* record = new Allocation{base_->allocate(bytes), static_cast<int64_t>(bytes), this};
-    const int64_t now = live_ += record->bytes;
+    c10::DataPtr inner = base_->allocate(bytes);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    if (data == nullptr) return inner;  // zero bytes: nothing to count
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.emplace(data, Block{std::move(inner), static_cast<int64_t>(bytes)});
+    }
+    const int64_t now = live_ += static_cast<int64_t>(bytes);
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return {record->inner.get(), record, &release, record->inner.device()};
+    // The context is the data pointer itself, so that raw_allocate works (some ATen
+    // kernels allocate scratch memory that way).
+    return {data, data, &release, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, size_t count) const override {
     std::memcpy(dest, src, count);
@@ -44,19 +72,26 @@ class CpuMemoryProbe final : public c10::Allocator {
 
   CpuMemoryProbe() : base_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
 
-  struct Allocation {
+  struct Block {
     c10::DataPtr inner;
     int64_t bytes;
-    CpuMemoryProbe* owner;
   };
 
-  static void release(void* context) {
-    auto* record = static_cast<Allocation*>(context);
-    record->owner->live_ -= record->bytes;
-    delete record;
+  static void release(void* data) {
+    CpuMemoryProbe& probe = installed();
+    Block block;
+    {
+      std::lock_guard<std::mutex> lock(probe.mutex_);
+      auto found = probe.blocks_.find(data);
+      block = std::move(found->second);
+      probe.blocks_.erase(found);
+    }
+    probe.live_ -= block.bytes;
   }
 
   c10::Allocator* base_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Block> blocks_;
   std::atomic<int64_t> live_{0};
   std::atomic<int64_t> peak_{0};
 };

@@ -75,6 +75,18 @@ HP_DIST_TEST(FullyShardErrors, BadInputIsExplained, 2) {
   options = {};
   options.comm_fusion = true;
   EXPECT_ERROR(fully_shard(mixed, options), "different dtypes");
+
+  // Moving or casting after fully_shard would be undone by the next unshard: refused.
+  Sharded<Mlp> cast(5, 8, 9, 3, 1);
+  fully_shard(cast->blocks[0]);
+  fully_shard(cast);
+  cast->to(torch::kFloat);  // no change: the shards stay
+  {
+    torch::NoGradGuard evaluation;
+    cast(torch::randn({2, 5}));
+  }
+  cast->to(torch::kDouble);
+  EXPECT_ERROR(cast(torch::randn({2, 5}, torch::kDouble)), "no longer holds its local shard");
 }
 
 }  // namespace

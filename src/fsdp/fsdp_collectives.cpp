@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "../runtime/tensor_storage.h"
 #include "hyperparallel/collectives.h"
-#include "tensor_storage.h"
 
 namespace hp::detail {
 namespace {
@@ -29,40 +29,49 @@ void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offs
 }  // namespace
 
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
-                                  const std::vector<at::Tensor>& inputs, const Group& group,
+                                  const std::vector<CommBuffer>& inputs, const Group& group,
                                   bool comm_fusion) {
   c10::NoGradGuard no_grad;
   AllGatherResult result;
+  for (const CommBuffer& input : inputs) {
+    if (input.owned) result.temporaries.push_back(input.tensor);
+  }
   const int64_t world = group.size();
   if (!comm_fusion) {
     std::vector<CommHandle> gathers;
     for (size_t i = 0; i < params.size(); ++i) {
       result.outputs.push_back(params[i]->all_gather_output());
-      gathers.push_back(all_gather(result.outputs.back(), inputs[i], group));
+      if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
+      gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
     }
     result.handle = CommHandle::after(std::move(gathers), {});
     return result;
   }
   std::vector<int64_t> offsets;
   int64_t total = 0;
-  for (const at::Tensor& input : inputs) {
+  for (const CommBuffer& input : inputs) {
     offsets.push_back(total);
-    total += input.numel();
+    total += input.tensor.numel();
   }
-  at::Tensor input = at::empty({total}, inputs.front().options());
+  at::Tensor input = at::empty({total}, inputs.front().tensor.options());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    input.narrow(0, offsets[i], inputs[i].numel()).copy_(inputs[i]);
+    input.narrow(0, offsets[i], inputs[i].tensor.numel()).copy_(inputs[i].tensor);
   }
   at::Tensor output = at::empty({world, total}, input.options());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    result.outputs.push_back(output.narrow(1, offsets[i], inputs[i].numel()));
+    result.outputs.push_back(output.narrow(1, offsets[i], inputs[i].tensor.numel()));
   }
+  result.temporaries.push_back(input);
+  result.temporaries.push_back(output);
   result.handle = all_gather(output.view(-1), input, group);
   return result;
 }
 
-void copy_out_all_gather(const std::vector<FSDPParam*>& params, const AllGatherResult& result) {
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result) {
   for (size_t i = 0; i < params.size(); ++i) params[i]->copy_out(result.outputs[i]);
+  result.outputs.clear();
+  for (const at::Tensor& buffer : result.temporaries) free_storage(buffer);
+  result.temporaries.clear();
 }
 
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
@@ -86,10 +95,9 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     at::Tensor input = at::empty({world, total}, options);
     zero_between_slots(input, result.offsets, params);
     for (size_t i = 0; i < params.size(); ++i) {
-      std::vector<ReduceScatterInput> part = {
-          params[i]->reduce_scatter_input(grads[i], reduce_dtype)};
+      std::vector<CommBuffer> part = {params[i]->reduce_scatter_input(grads[i], reduce_dtype)};
       const int64_t n = params[i]->layout().padded_numel;
-      input.narrow(1, result.offsets[i], n).copy_(part.front().flat.view({world, n}));
+      input.narrow(1, result.offsets[i], n).copy_(part.front().tensor.view({world, n}));
       // Copied: released now rather than after the collective, so that the fused
       // input does not double the gradient memory of a reduction in flight.
       release_reduce_inputs(part, stats);
@@ -102,20 +110,20 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   zero_between_slots(result.buffer, result.offsets, params);
   std::vector<CommHandle> reduce_scatters;
   for (size_t i = 0; i < params.size(); ++i) {
-    ReduceScatterInput part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+    CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
     grads[i] = at::Tensor();
     at::Tensor slot = result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-    reduce_scatters.push_back(reduce_scatter(slot, part.flat, ReduceOp::kSum, group));
+    reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
     result.inputs.push_back(std::move(part));
   }
   result.handle = CommHandle::after(std::move(reduce_scatters), {});
   return result;
 }
 
-void release_reduce_inputs(std::vector<ReduceScatterInput>& inputs, ReduceBufferStats& stats) {
-  for (ReduceScatterInput& input : inputs) {
+void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats) {
+  for (CommBuffer& input : inputs) {
     if (input.owned) {
-      free_storage(input.flat);
+      free_storage(input.tensor);
       ++stats.freed_owned;
     } else {
       ++stats.kept_aliased;

@@ -22,6 +22,9 @@ struct AllGatherResult {
   // own unsharded storage where the layout allows (per-parameter mode, Shard(0)), a
   // view of the one fused output buffer with comm_fusion.
   std::vector<at::Tensor> outputs;
+  // Buffers allocated for this all-gather (inputs that are copies, fused and reordered
+  // outputs), freed by copy-out: the backend may hold on to them a little longer.
+  std::vector<at::Tensor> temporaries;
 };
 
 // All-gathers inputs[i] (parameter i's padded shard in param dtype, or the part it kept
@@ -29,12 +32,12 @@ struct AllGatherResult {
 // straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
 // copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather.
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
-                                  const std::vector<at::Tensor>& inputs, const Group& group,
+                                  const std::vector<CommBuffer>& inputs, const Group& group,
                                   bool comm_fusion);
 
 // After result.handle completed: every parameter's unsharded tensor holds its whole
-// value (copy-out where the all-gather did not land in place).
-void copy_out_all_gather(const std::vector<FSDPParam*>& params, const AllGatherResult& result);
+// value (copy-out where the all-gather did not land in place); temporaries are freed.
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result);
 
 struct ReduceScatterResult {
   CommHandle handle;
@@ -44,7 +47,7 @@ struct ReduceScatterResult {
   std::vector<int64_t> offsets;
   // Reduce-scatter inputs in use by the collectives; released (release_reduce_inputs)
   // once the handle completed.
-  std::vector<ReduceScatterInput> inputs;
+  std::vector<CommBuffer> inputs;
 };
 
 // Reduce-scatters grads[i] (parameter i's unsharded gradient) in `reduce_dtype` over
@@ -58,7 +61,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
 
 // Frees the inputs this library allocated (seed 002: a view of the caller's gradient is
 // only dropped).
-void release_reduce_inputs(std::vector<ReduceScatterInput>& inputs, ReduceBufferStats& stats);
+void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats);
 
 // Adds each parameter's slot of the reduced buffer to its sharded gradient (see
 // FSDPParam::accumulate_sharded_grad: a view of the buffer when there is none yet).

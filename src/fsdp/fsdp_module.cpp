@@ -122,7 +122,8 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
     all_reduce(has_grad, ReduceOp::kMin, *state_->group().comm().shard).wait();
     if (has_grad.item<float>() == 0.0f) return {};
-    return detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()), *state_->group().comm().shard);
+    return detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()),
+                                *state_->group().comm().shard);
   }
   for (const auto& r : state_->group().replicated()) {
     if (r.name == name)

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "../runtime/tensor_storage.h"
 #include "hyperparallel/collectives.h"
-#include "tensor_storage.h"
 
 namespace hp::detail {
 
@@ -112,9 +112,10 @@ at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Grou
   return whole;
 }
 
-at::Tensor FSDPParam::all_gather_input() const {
+CommBuffer FSDPParam::all_gather_input() const {
   check_variable_holds_shard();
-  return padded_shard_.to(compute_device_, param_dtype_);
+  const bool copied = param_dtype_ != orig_dtype_ || padded_shard_.device() != compute_device_;
+  return {padded_shard_.to(compute_device_, param_dtype_), copied};
 }
 
 at::Tensor FSDPParam::all_gather_output() {
@@ -137,7 +138,7 @@ void FSDPParam::copy_out(const at::Tensor& rank_major) {
 }
 
 void FSDPParam::unshard_locally() {
-  if (!unsharded_aliases_shard()) copy_out(all_gather_input());
+  if (!unsharded_aliases_shard()) copy_out(all_gather_input().tensor);
 }
 
 at::Tensor FSDPParam::post_forward_part(int64_t index, int64_t parts) const {
@@ -214,22 +215,23 @@ c10::ScalarType FSDPParam::reduce_dtype(const at::Tensor& unsharded_grad) const 
   return policy_.reduce_dtype.value_or(unsharded_grad.scalar_type());
 }
 
-ReduceScatterInput FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_grad,
-                                                   c10::ScalarType reduce_dtype) const {
+CommBuffer FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_grad,
+                                           c10::ScalarType reduce_dtype) const {
   const ShardLayout& l = layout_;
   // Ownership follows from the code path, never from comparing storage pointers: .to()
   // allocates only when the dtype changes; view() never does; padding always does.
-  ReduceScatterInput input;
+  CommBuffer input;
   const bool aligned = l.global_shape[l.dim] == l.chunk * l.world;
   if (l.dim == 0 && aligned && unsharded_grad.is_contiguous()) {
-    input.flat = unsharded_grad.to(reduce_dtype).view(-1);
+    input.tensor = unsharded_grad.to(reduce_dtype).view(-1);
     input.owned = reduce_dtype != unsharded_grad.scalar_type();
     return input;
   }
   // Padding is reduced along with the gradient, so it must be zero. The cast, if any,
   // happens in the same copy.
-  input.flat = at::zeros({l.world * l.padded_numel}, unsharded_grad.options().dtype(reduce_dtype));
-  l.copy_to_rank_major(unsharded_grad, input.flat, 0, l.world);
+  input.tensor =
+      at::zeros({l.world * l.padded_numel}, unsharded_grad.options().dtype(reduce_dtype));
+  l.copy_to_rank_major(unsharded_grad, input.tensor, 0, l.world);
   input.owned = true;
   return input;
 }

@@ -53,11 +53,11 @@ struct ShardLayout {
                           int64_t count) const;
 };
 
-// A gradient laid out for reduce-scatter ([world x padded_numel], rank-major), and
-// whether this library allocated it. Seed 002: when no cast, pad or reorder was needed
-// it is a view of the caller's gradient and must never be freed by us.
-struct ReduceScatterInput {
-  at::Tensor flat;
+// A tensor handed to a collective, and whether this library allocated it for that (then
+// it is freed once the collective is done with it). Seed 002: a view of the caller's
+// gradient, or the shard itself, is never freed by us.
+struct CommBuffer {
+  at::Tensor tensor;
   bool owned = false;
 };
 
@@ -81,7 +81,7 @@ class FSDPParam {
   //
   // The padded shard in param dtype, on the compute device: the all-gather input (the
   // shard itself when no cast or move is needed).
-  at::Tensor all_gather_input() const;
+  CommBuffer all_gather_input() const;
   // Where a [world x padded_numel] rank-major all-gather of this parameter should land:
   // the unsharded storage itself for Shard(0) (allocated now), so that no copy-out is
   // needed; a new buffer otherwise. `gathers_in_place()` tells which.
@@ -125,8 +125,9 @@ class FSDPParam {
   at::Tensor take_unsharded_grad();
   // Keeps an unsharded gradient for a later synchronising backward.
   void keep_unsharded_grad(at::Tensor grad);
-  ReduceScatterInput reduce_scatter_input(const at::Tensor& unsharded_grad,
-                                          c10::ScalarType reduce_dtype) const;
+  // The gradient laid out for reduce-scatter: [world x padded_numel], rank-major.
+  CommBuffer reduce_scatter_input(const at::Tensor& unsharded_grad,
+                                  c10::ScalarType reduce_dtype) const;
   c10::ScalarType reduce_dtype(const at::Tensor& unsharded_grad) const;
   // reduced: this rank's [padded_numel] chunk of the reduced gradient. Adds it to the
   // sharded gradient (or the fp32 main grad); when there is none yet and dtype, device and

@@ -82,11 +82,11 @@ CommHandle ParamGroup::issue_all_gather() {
   }
   std::vector<FSDPParam*> params;
   for (auto& p : params_) params.push_back(p.get());
-  std::vector<at::Tensor> inputs;
+  std::vector<CommBuffer> inputs;
   const Group* group = comm_.shard.get();
   if (!post_forward_parts_.empty()) {
     // Resharded to a smaller group after forward: gather within it only.
-    inputs = std::move(post_forward_parts_);
+    for (at::Tensor& part : post_forward_parts_) inputs.push_back({std::move(part), true});
     post_forward_parts_.clear();
     group = post_forward_group_.get();
   } else {

@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "tensor_storage.h"
+
 namespace hp {
 namespace {
 
@@ -85,7 +87,9 @@ CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat,
         at::amin_out(out_flat, by_source, {0});
         break;
     }
-    received = at::Tensor();  // the receive buffer goes as soon as it is reduced
+    // The receive buffer goes as soon as it is reduced (the backend may still hold it).
+    detail::free_storage(received);
+    received = at::Tensor();
   });
 }
 
