@@ -5,8 +5,9 @@
 // 4 ranks as 2x2 HSDP, load on 3 ranks as FSDP or into the plain model on one process.
 //
 // Checkpoint files are in torch.save's format: Python's torch.load reads them (also with
-// weights_only=True), and load_full_checkpoint reads a state dict Python's torch.save
-// wrote.
+// weights_only=True), and load_full_checkpoint reads a dict of tensors Python's
+// torch.save wrote (save a state dict as torch.save(dict(model.state_dict()), path):
+// LibTorch's unpickler cannot read the OrderedDict state_dict() returns).
 //
 // The checkpoint functions stream: saving gathers one whole tensor at a time, which the
 // writing rank appends to the file and every rank drops before the next; loading reads
