@@ -27,13 +27,13 @@ using models::Transformer;
 using models::TransformerConfig;
 using testing::error_of;
 
-// Six equal layers: the whole model is many times its largest tensor.
+// Eight equal layers: the whole model is over 30 times its largest tensor.
 TransformerConfig small_config() {
   TransformerConfig config;
   config.vocab = 64;
   config.dim = 64;
   config.heads = 4;
-  config.layers = 6;
+  config.layers = 8;
   config.ffn_hidden = 256;
   config.max_seq = 16;
   return config;
@@ -147,7 +147,7 @@ HP_DIST_TEST(CheckpointStream, PeakMemoryIsAFewTensorsNotTheModel, 2) {
     largest = std::max<int64_t>(largest, item.value().nbytes());
     whole_model += item.value().nbytes();
   }
-  ASSERT_GE(whole_model, 8 * largest);
+  ASSERT_GE(whole_model, 30 * largest);
 
   auto peak_of = [&](const std::function<void()>& call) {
     const int64_t before = probe.live();
@@ -173,12 +173,13 @@ HP_DIST_TEST(CheckpointStream, PeakMemoryIsAFewTensorsNotTheModel, 2) {
       static_cast<long long>(load_optim));
   // Saving one tensor holds the all-gather output and Gloo's flat receive buffer (each
   // the whole tensor), then that output and the whole tensor cut from it; optimizer state
-  // adds the padded local part it sends (half a tensor on 2 ranks). Gloo's worker thread
-  // may still hold the previous tensor's output and input for a moment: 3 + 2 / 2 = 4
-  // tensors at most, plus the few bytes of step counts. Loading holds the tensor read
-  // and, for optimizer state, this rank's copy of its part.
+  // adds the padded local part it sends (half a tensor on 2 ranks): 2.5 tensors. Gloo's
+  // two worker threads may still hold the output and input of the one or two tensors
+  // before for a moment (4 tensors measured; 5 allow for a slow thread), plus the few
+  // bytes of step counts. Loading holds the tensor read and, for optimizer state, this
+  // rank's copy of its part.
   const int64_t small_tensors = 4096;
-  for (int64_t peak : {save_model, save_optim}) EXPECT_LE(peak, 4 * largest + small_tensors);
+  for (int64_t peak : {save_model, save_optim}) EXPECT_LE(peak, 5 * largest + small_tensors);
   for (int64_t peak : {load_model, load_optim}) EXPECT_LE(peak, 2 * largest + small_tensors);
   for (int64_t peak : {save_model, save_optim, load_model, load_optim}) {
     EXPECT_LT(peak, whole_model / 5);
