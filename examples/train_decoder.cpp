@@ -330,11 +330,13 @@ int train(const Options& o) {
   // Steps already taken: data batches continue where the checkpoint left off.
   int64_t resumed_steps = 0;
   if (!o.resume_dir.empty()) {
+    // Both stream: one tensor read at a time, each rank keeps its part.
     hp::load_full_checkpoint(*model, o.resume_dir + "/model.pt");
-    const hp::StateDict optim = hp::read_state_dict_file(o.resume_dir + "/optim.pt");
-    hp::set_full_optimizer_state_dict(*model, optimizer, optim);
-    if (const at::Tensor* step = optim.find("tok_embeddings.weight.step")) {
-      resumed_steps = step->item<int64_t>();
+    hp::load_full_optimizer_checkpoint(*model, optimizer, o.resume_dir + "/optim.pt");
+    // AdamW counts steps per parameter; any parameter's count is the run's.
+    auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
+    if (state != optimizer.state().end()) {
+      resumed_steps = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
     }
     if (rank == 0) {
       std::printf("resumed from %s after %lld steps\n\n", o.resume_dir.c_str(),
@@ -404,12 +406,11 @@ int train(const Options& o) {
   }
 
   if (!o.save_dir.empty()) {
-    // Every rank joins the gathers; rank 0 writes.
+    // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
     if (rank == 0) std::filesystem::create_directories(o.save_dir);
     hp::save_full_checkpoint(*model, o.save_dir + "/model.pt");
-    const hp::StateDict optim = hp::get_full_optimizer_state_dict(*model, optimizer);
+    hp::save_full_optimizer_checkpoint(*model, optimizer, o.save_dir + "/optim.pt");
     if (rank == 0) {
-      hp::write_state_dict_file(optim, o.save_dir + "/optim.pt");
       std::printf("\nsaved %s/model.pt and %s/optim.pt\n", o.save_dir.c_str(), o.save_dir.c_str());
     }
   }

@@ -159,7 +159,7 @@ void step_on(Sharded<Mlp>& model, torch::optim::Optimizer& opt, int step) {
   opt.step();
 }
 
-// Two AdamW steps on 2x2 HSDP, a checkpoint of model and optimizer (files), a third step
+// Two AdamW steps on 2x2 HSDP, a checkpoint of model and optimizer (streamed files), a third step
 // on 1-D FSDP over the same 4 ranks from another initialization: the result is the
 // uninterrupted single-process training's.
 HP_DIST_TEST(StateDict, ResumeOnAnotherMeshContinuesTheTraining, 4) {
@@ -184,14 +184,14 @@ HP_DIST_TEST(StateDict, ResumeOnAnotherMeshContinuesTheTraining, 4) {
           .string();
   std::filesystem::create_directories(dir);
   save_full_checkpoint(*first, dir + "/model.pt");
+  save_full_optimizer_checkpoint(*first, first_opt, dir + "/optim.pt");
   const StateDict optim_state = get_full_optimizer_state_dict(*first, first_opt);
-  if (world->rank() == 0) write_state_dict_file(optim_state, dir + "/optim.pt");
   barrier(*world->world_group()).wait();
 
   Sharded<Mlp> resumed = sharded_model(1, {});
   torch::optim::AdamW resumed_opt(resumed->parameters(), options);
   load_full_checkpoint(*resumed, dir + "/model.pt");
-  set_full_optimizer_state_dict(*resumed, resumed_opt, read_state_dict_file(dir + "/optim.pt"));
+  load_full_optimizer_checkpoint(*resumed, resumed_opt, dir + "/optim.pt");
   expect_equal_dicts(get_full_optimizer_state_dict(*resumed, resumed_opt), optim_state);
   EXPECT_EQ(optim_state["blocks.0.fc1.weight.step"].item<int64_t>(), 2);
   step_on(resumed, resumed_opt, 2);

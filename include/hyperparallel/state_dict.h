@@ -5,8 +5,16 @@
 // 4 ranks as 2x2 HSDP, load on 3 ranks as FSDP or into the plain model on one process.
 //
 // Checkpoint files are in torch.save's format: Python's torch.load reads them (also with
-// weights_only=True), and load_full_checkpoint reads a state dict Python's torch.save
-// wrote.
+// weights_only=True), and load_full_checkpoint reads a dict of tensors Python's
+// torch.save wrote (save a state dict as torch.save(dict(model.state_dict()), path):
+// LibTorch's unpickler cannot read the OrderedDict state_dict() returns).
+//
+// The checkpoint functions stream: saving gathers one whole tensor at a time, which the
+// writing rank appends to the file and every rank drops before the next; loading reads
+// one tensor at a time and keeps only each rank's part. No rank holds the whole model or
+// the whole optimizer state. Peak host memory above what the model holds: a few times the
+// largest tensor while saving (gather buffers and the whole tensor cut from them), one
+// tensor while loading (docs/api.md has the numbers).
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -43,16 +51,37 @@ StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
 void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                    const StateDict& state, bool strict = true);
 
-// A state dict as a file in torch.save's format, and back.
+// A state dict as a file in torch.save's format, and back (no collective). Both stream
+// through the file one tensor at a time; read_state_dict_file returns them all, each
+// holding its own storage (entries that share one in the file, e.g. tied weights Python
+// saved, come back as separate copies). write_state_dict_file writes "<path>.partial" and
+// renames it to `path` when complete, as the checkpoint functions do. Errors name the
+// file and the tensor: std::invalid_argument for a file that cannot be opened or is not
+// a torch.save dict of dense tensors, std::runtime_error for a failed write or read.
 void write_state_dict_file(const StateDict& state, const std::string& path);
 StateDict read_state_dict_file(const std::string& path);
 
-// get_full_state_dict, written to `path` by rank 0 of the launch (RANK; a process
-// without RANK writes). A collective like get_full_state_dict. The other ranks do not
-// wait for the file: put a barrier before reading it elsewhere.
+// get_full_state_dict streamed into `path` by rank 0 of the launch (RANK; a process
+// without RANK writes): a collective like get_full_state_dict, one whole tensor at a time.
+// The file appears at `path` only when complete. A write error is thrown on the writing
+// rank (std::runtime_error naming the file and the tensor) after the remaining gathers,
+// so that the other ranks are not left waiting; they do not learn of it. The other ranks
+// do not wait for the file: put a barrier before reading it elsewhere.
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path);
 
-// Reads `path` on every rank (a shared or copied file) and set_full_state_dict's it.
+// Reads `path` on every rank (a shared or copied file) one tensor at a time and copies
+// each rank's part, as set_full_state_dict does. Names and shapes are checked against
+// the model before any tensor is read, with set_full_state_dict's errors naming the file;
+// the model is unchanged then. A record that cannot be read (a damaged file) throws
+// std::runtime_error saying the model is partly loaded.
 void load_full_checkpoint(torch::nn::Module& model, const std::string& path, bool strict = true);
+
+// get_full_optimizer_state_dict streamed into `path` like save_full_checkpoint.
+void save_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& path);
+
+// set_full_optimizer_state_dict from `path`, streamed like load_full_checkpoint.
+void load_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& path, bool strict = true);
 
 }  // namespace hp

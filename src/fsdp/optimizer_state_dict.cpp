@@ -1,7 +1,9 @@
-// Optimizer state as whole tensors: each per-parameter state tensor is shaped like the
-// parameter's local shard, so it is gathered and sliced exactly like the parameter.
+// Optimizer state as whole tensors, in memory or streamed to and from a checkpoint file:
+// each per-parameter state tensor is shaped like the parameter's local shard, so it is
+// gathered and sliced exactly like the parameter, one at a time.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/accumulate.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -12,10 +14,13 @@
 #include <set>
 #include <stdexcept>
 
+#include "checkpoint_sink.h"
 #include "fsdp_param.h"
+#include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
 #include "sharded_param_index.h"
+#include "torch_save_reader.h"
 
 namespace hp {
 namespace {
@@ -88,100 +93,153 @@ OptimizerParamState* state_of(torch::optim::Optimizer& optimizer, const at::Tens
   return it == optimizer.state().end() ? nullptr : it->second.get();
 }
 
-}  // namespace
+using FullTensorVisitor = std::function<void(const std::string& name, const at::Tensor& whole)>;
 
-StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
-                                        torch::optim::Optimizer& optimizer) {
+// Calls `visit` for each per-parameter state tensor of the model's parameters with the
+// whole tensor, a fresh host tensor gathered right before its call (a collective for
+// sharded parameters) and dropped after it unless `visit` keeps it.
+void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const char* caller, const FullTensorVisitor& visit) {
   c10::NoGradGuard no_grad;
   const StateCodec codec = codec_for(optimizer);
-  const auto sharded = detail::index_sharded_params();
-  StateDict state;
-  for (const auto& item : model.named_parameters()) {
-    OptimizerParamState* param_state = state_of(optimizer, item.value());
-    auto it = sharded.find(item.value().unsafeGetTensorImpl());
-    const detail::ShardedParam* shard = it != sharded.end() ? &it->second : nullptr;
-    if (shard) {
-      detail::require_sharded(*shard, item.key(), "get_full_optimizer_state_dict");
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
+  // Checked before the first collective, so that all ranks throw or none does.
+  for (const auto& p : params) {
+    if (p.shard) detail::require_sharded(*p.shard, p.name, caller);
+  }
+  for (const auto& p : params) {
+    OptimizerParamState* param_state = state_of(optimizer, p.variable);
+    if (p.shard) {
       // Every rank of the shard group joins each gather: agree on whether there is one.
       at::Tensor has_state = at::full({1}, param_state ? 1.0f : 0.0f);
-      all_reduce(has_state, ReduceOp::kMin, *shard->shard_group).wait();
+      all_reduce(has_state, ReduceOp::kMin, *p.shard->shard_group).wait();
       if (has_state.item<float>() == 0.0f) continue;
     } else if (!param_state) {
       continue;
     }
     if (codec.has_step) {
-      state.insert(item.key() + ".step", at::scalar_tensor(codec.step(*param_state), at::kLong));
+      visit(p.name + ".step", at::scalar_tensor(codec.step(*param_state), at::kLong));
     }
     for (const auto& [field, local] : codec.fields(*param_state)) {
       if (!local.defined()) continue;
       const at::Tensor whole =
-          shard ? detail::gather_whole(*shard->param,
-                                       shard->param->pad_local(local, local.scalar_type()),
-                                       *shard->shard_group)
-                : local.clone();
-      state.insert(item.key() + "." + field, whole.to(at::kCPU));
+          p.shard ? detail::gather_whole(*p.shard->param,
+                                         p.shard->param->pad_local(local, local.scalar_type()),
+                                         *p.shard->shard_group)
+                  : local;
+      visit(p.name + "." + field,
+            whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!p.shard.has_value()));
     }
   }
+}
+
+// Replaces the optimizer's state of the model's parameters with each rank's part of the
+// whole tensors of `source`, read one at a time.
+void load_full_optimizer(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                         const detail::FullTensorSource& source, bool strict,
+                         const std::string& caller) {
+  c10::NoGradGuard no_grad;
+  const StateCodec codec = codec_for(optimizer);
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
+  // What each parameter gets, checked completely before anything is replaced, so that a
+  // bad state dict or file leaves the optimizer unchanged.
+  struct Planned {
+    const detail::ModelParam* param;
+    std::vector<std::string> fields;
+    bool has_step = false;
+  };
+  std::vector<Planned> plan;
+  std::set<std::string> used;
+  for (const auto& p : params) {
+    Planned planned{&p, {}, false};
+    for (const auto& field : codec.field_names) {
+      const std::string key = p.name + "." + field;
+      const std::optional<c10::IntArrayRef> shape = source.shape_of(key);
+      if (!shape) continue;
+      if (*shape != c10::IntArrayRef(p.whole_shape)) {
+        throw std::invalid_argument(caller + ": '" + key + "' has shape " + c10::str(*shape) +
+                                    " in " + source.description + ", the parameter's is " +
+                                    c10::str(c10::IntArrayRef(p.whole_shape)));
+      }
+      planned.fields.push_back(field);
+      used.insert(key);
+    }
+    const std::string step_key = p.name + ".step";
+    if (const std::optional<c10::IntArrayRef> shape = source.shape_of(step_key)) {
+      if (c10::multiply_integers(*shape) != 1) {
+        throw std::invalid_argument(caller + ": '" + step_key + "' has shape " + c10::str(*shape) +
+                                    " in " + source.description + "; one number expected");
+      }
+      planned.has_step = true;
+      used.insert(step_key);
+    }
+    if (planned.fields.empty()) continue;
+    if (codec.has_step && !planned.has_step) {
+      throw std::invalid_argument(caller + ": no entry '" + step_key +
+                                  "' beside its other state in " + source.description);
+    }
+    plan.push_back(std::move(planned));
+  }
+  detail::require_all_used(source, used, strict, caller,
+                           "no state of this optimizer for a parameter of the model");
+
+  // Only this model's parameters: the optimizer may hold others too. Dropped first, so
+  // that old and new state are not held together.
+  for (const auto& p : params) optimizer.state().erase(p.variable.unsafeGetTensorImpl());
+  try {
+    for (const auto& planned : plan) {
+      const detail::ModelParam& p = *planned.param;
+      // The local part goes where the parameter's data lives (the host, when offloaded).
+      const at::TensorOptions options =
+          p.shard ? p.shard->param->sharded_view().options() : p.variable.options();
+      Fields fields;
+      for (const auto& field : planned.fields) {
+        const at::Tensor whole = source.read(p.name + "." + field);
+        const at::Tensor local = p.shard ? p.shard->param->local_part(whole) : whole;
+        fields[field] = local.to(options.dtype(whole.scalar_type()), /*non_blocking=*/false,
+                                 /*copy=*/true);
+      }
+      const int64_t step = planned.has_step ? source.read(p.name + ".step").item<int64_t>() : 0;
+      optimizer.state()[p.variable.unsafeGetTensorImpl()] = codec.make(fields, step);
+    }
+  } catch (const std::runtime_error& error) {  // a record that cannot be read
+    throw std::runtime_error(caller + ": " + error.what() +
+                             "; the optimizer state is partly loaded: the parameters before "
+                             "this one have their new state, the others none");
+  }
+}
+
+}  // namespace
+
+StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
+                                        torch::optim::Optimizer& optimizer) {
+  StateDict state;
+  for_each_full_optimizer_tensor(
+      model, optimizer, "get_full_optimizer_state_dict",
+      [&](const std::string& name, const at::Tensor& whole) { state.insert(name, whole); });
   return state;
 }
 
 void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                    const StateDict& state, bool strict) {
-  c10::NoGradGuard no_grad;
-  const StateCodec codec = codec_for(optimizer);
-  const auto sharded = detail::index_sharded_params();
-  std::set<std::string> used;
-  // Built completely before anything is replaced, so that an error changes nothing.
-  std::vector<std::pair<const c10::TensorImpl*, std::unique_ptr<OptimizerParamState>>> states;
-  for (const auto& item : model.named_parameters()) {
-    auto it = sharded.find(item.value().unsafeGetTensorImpl());
-    const detail::ShardedParam* shard = it != sharded.end() ? &it->second : nullptr;
-    const std::vector<int64_t> whole_shape =
-        shard ? shard->param->layout().global_shape : item.value().sizes().vec();
-    // The local part goes where the parameter's data lives (the host, when offloaded).
-    const at::TensorOptions options =
-        shard ? shard->param->sharded_view().options() : item.value().options();
-    Fields fields;
-    for (const auto& field : codec.field_names) {
-      const std::string key = item.key() + "." + field;
-      const at::Tensor* whole = state.find(key);
-      if (!whole) continue;
-      if (whole->sizes() != c10::IntArrayRef(whole_shape)) {
-        throw std::invalid_argument("set_full_optimizer_state_dict: '" + key + "' has shape " +
-                                    c10::str(whole->sizes()) + ", the parameter's is " +
-                                    c10::str(c10::IntArrayRef(whole_shape)));
-      }
-      at::Tensor local = shard ? shard->param->local_part(*whole) : *whole;
-      fields[field] = local.to(options.dtype(whole->scalar_type()), /*non_blocking=*/false,
-                               /*copy=*/true);
-      used.insert(key);
-    }
-    const at::Tensor* step = state.find(item.key() + ".step");
-    if (step) used.insert(item.key() + ".step");
-    if (fields.empty()) continue;
-    if (codec.has_step && !step) {
-      throw std::invalid_argument("set_full_optimizer_state_dict: no entry '" + item.key() +
-                                  ".step' beside its other state");
-    }
-    states.emplace_back(item.value().unsafeGetTensorImpl(),
-                        codec.make(fields, step ? step->item<int64_t>() : 0));
-  }
-  if (strict) {
-    for (const auto& item : state) {
-      if (!used.count(item.key())) {
-        throw std::invalid_argument("set_full_optimizer_state_dict: '" + item.key() +
-                                    "' is no state of this optimizer for a parameter of the "
-                                    "model (strict)");
-      }
-    }
-  }
-  // Only this model's parameters: the optimizer may hold others too.
-  for (const auto& item : model.named_parameters()) {
-    optimizer.state().erase(item.value().unsafeGetTensorImpl());
-  }
-  for (auto& [key, param_state] : states) {
-    optimizer.state()[const_cast<c10::TensorImpl*>(key)] = std::move(param_state);
-  }
+  load_full_optimizer(model, optimizer, detail::source_of(state), strict,
+                      "set_full_optimizer_state_dict");
+}
+
+void save_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& path) {
+  detail::CheckpointSink sink(path, "save_full_optimizer_checkpoint");
+  for_each_full_optimizer_tensor(
+      model, optimizer, "save_full_optimizer_checkpoint",
+      [&](const std::string& name, const at::Tensor& whole) { sink.write(name, whole); });
+  sink.finish();
+}
+
+void load_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const std::string& path, bool strict) {
+  detail::TorchSaveReader reader(path);
+  load_full_optimizer(model, optimizer, detail::source_of(reader), strict,
+                      "load_full_optimizer_checkpoint");
 }
 
 }  // namespace hp

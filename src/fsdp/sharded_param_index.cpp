@@ -18,6 +18,21 @@ std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params() {
   return found;
 }
 
+std::vector<ModelParam> model_params(torch::nn::Module& model) {
+  const auto sharded = index_sharded_params();
+  std::vector<ModelParam> params;
+  for (const auto& item : model.named_parameters()) {
+    ModelParam param{item.key(), item.value(), std::nullopt, item.value().sizes().vec()};
+    auto it = sharded.find(item.value().unsafeGetTensorImpl());
+    if (it != sharded.end()) {
+      param.shard = it->second;
+      param.whole_shape = it->second.param->layout().global_shape;
+    }
+    params.push_back(std::move(param));
+  }
+  return params;
+}
+
 void require_sharded(const ShardedParam& p, const std::string& name, const char* caller) {
   if (p.param->is_unsharded()) {
     throw std::logic_error(std::string(caller) + ": parameter '" + name +

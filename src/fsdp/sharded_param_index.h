@@ -3,9 +3,12 @@
 // a plain module (state dicts).
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <map>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace hp {
 class Group;
@@ -22,6 +25,17 @@ struct ShardedParam {
 
 // Every sharded parameter of every live fully_shard state, by its variable's TensorImpl.
 std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params();
+
+// A parameter of a plain module as the state dict functions see it.
+struct ModelParam {
+  std::string name;  // as in model.named_parameters()
+  at::Tensor variable;
+  std::optional<ShardedParam> shard;  // unset: not sharded, whole on every rank
+  std::vector<int64_t> whole_shape;
+};
+
+// The parameters of `model`, in its order.
+std::vector<ModelParam> model_params(torch::nn::Module& model);
 
 // Throws std::logic_error naming `caller` when the parameter holds unsharded data now.
 void require_sharded(const ShardedParam& p, const std::string& name, const char* caller);

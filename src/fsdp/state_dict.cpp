@@ -1,106 +1,121 @@
+// Full state dicts of a model, in memory or streamed to and from a checkpoint file: one
+// whole tensor at a time, so that no rank ever holds the whole model.
 #include "hyperparallel/state_dict.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include <cstdlib>
+#include <functional>
 #include <set>
 #include <stdexcept>
 
+#include "checkpoint_sink.h"
 #include "fsdp_param.h"
-#include "hyperparallel/launch_env.h"
+#include "full_tensor_source.h"
 #include "sharded_param_index.h"
+#include "torch_save_reader.h"
 
 namespace hp {
 namespace {
 
-bool writes_checkpoints() {
-  return std::getenv("RANK") == nullptr || LaunchEnv::from_environment().rank == 0;
+using FullTensorVisitor = std::function<void(const std::string& name, const at::Tensor& whole)>;
+
+// Calls `visit` for every parameter and buffer of `model` in its order with the whole
+// tensor, a fresh host tensor: a sharded parameter is all-gathered over its shard group
+// right before its call (a collective). Unless `visit` keeps it, it is dropped after the
+// call, so at most one whole tensor is alive here at a time.
+void for_each_full_tensor(torch::nn::Module& model, const char* caller,
+                          const FullTensorVisitor& visit) {
+  c10::NoGradGuard no_grad;
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
+  // Checked before the first gather, so that all ranks throw or none does.
+  for (const auto& p : params) {
+    if (p.shard) detail::require_sharded(*p.shard, p.name, caller);
+  }
+  for (const auto& p : params) {
+    if (p.shard) {
+      const detail::FSDPParam& param = *p.shard->param;
+      visit(p.name,
+            detail::gather_whole(param, param.padded_shard(), *p.shard->shard_group).to(at::kCPU));
+    } else {
+      visit(p.name, p.variable.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    }
+  }
+  for (const auto& item : model.named_buffers()) {
+    visit(item.key(), item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  }
+}
+
+// Sets every parameter and buffer of `model` from `source`; each rank copies its own part
+// of each whole tensor, read one at a time.
+void load_full(torch::nn::Module& model, const detail::FullTensorSource& source, bool strict,
+               const std::string& caller) {
+  c10::NoGradGuard no_grad;
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
+  std::set<std::string> used;
+  auto require_whole = [&](const std::string& name, c10::IntArrayRef shape) {
+    const std::optional<c10::IntArrayRef> found = source.shape_of(name);
+    if (!found) {
+      throw std::invalid_argument(caller + ": no entry for '" + name + "' in " +
+                                  source.description + " (" + std::to_string(source.names.size()) +
+                                  " entries there); pass one saved from this model");
+    }
+    if (*found != shape) {
+      throw std::invalid_argument(caller + ": '" + name + "' has shape " + c10::str(*found) +
+                                  " in " + source.description + ", the model's is " +
+                                  c10::str(shape) + " (whole tensors expected)");
+    }
+    used.insert(name);
+  };
+  // Everything the names and shapes tell is checked first, so that a bad state dict or
+  // file leaves the model unchanged.
+  for (const auto& p : params) {
+    if (p.shard) detail::require_sharded(*p.shard, p.name, caller.c_str());
+    require_whole(p.name, p.whole_shape);
+  }
+  for (const auto& item : model.named_buffers()) require_whole(item.key(), item.value().sizes());
+  detail::require_all_used(source, used, strict, caller, "not a parameter or buffer of the model");
+  try {
+    for (const auto& p : params) {
+      const at::Tensor whole = source.read(p.name);
+      if (p.shard) {
+        p.shard->param->load_full(whole);
+      } else {
+        p.variable.copy_(whole);
+      }
+    }
+    for (const auto& item : model.named_buffers()) item.value().copy_(source.read(item.key()));
+  } catch (const std::runtime_error& error) {  // a record that cannot be read
+    throw std::runtime_error(caller + ": " + error.what() +
+                             "; the model is partly loaded (the tensors before this one)");
+  }
 }
 
 }  // namespace
 
 StateDict get_full_state_dict(torch::nn::Module& model) {
-  c10::NoGradGuard no_grad;
-  const auto sharded = detail::index_sharded_params();
   StateDict state;
-  for (const auto& item : model.named_parameters()) {
-    const at::Tensor& param = item.value();
-    auto it = sharded.find(param.unsafeGetTensorImpl());
-    at::Tensor whole;
-    if (it != sharded.end()) {
-      detail::require_sharded(it->second, item.key(), "get_full_state_dict");
-      const detail::FSDPParam& p = *it->second.param;
-      whole = detail::gather_whole(p, p.padded_shard(), *it->second.shard_group);
-    } else {
-      whole = param.detach().clone();  // whole on every rank already
-    }
-    state.insert(item.key(), whole.to(at::kCPU));
-  }
-  for (const auto& item : model.named_buffers()) {
-    state.insert(item.key(), item.value().detach().to(at::kCPU, /*non_blocking=*/false,
-                                                      /*copy=*/true));
-  }
+  for_each_full_tensor(
+      model, "get_full_state_dict",
+      [&](const std::string& name, const at::Tensor& whole) { state.insert(name, whole); });
   return state;
 }
 
 void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool strict) {
-  c10::NoGradGuard no_grad;
-  const auto sharded = detail::index_sharded_params();
-  std::set<std::string> used;
-  auto whole_of = [&](const std::string& name, c10::IntArrayRef shape) -> const at::Tensor& {
-    const at::Tensor* found = state.find(name);
-    if (!found) {
-      throw std::invalid_argument("set_full_state_dict: no entry for '" + name +
-                                  "' (the state dict has " + std::to_string(state.size()) +
-                                  " entries); pass a state dict of this model");
-    }
-    if (found->sizes() != shape) {
-      throw std::invalid_argument("set_full_state_dict: '" + name + "' has shape " +
-                                  c10::str(found->sizes()) + ", the model's is " + c10::str(shape) +
-                                  " (whole tensors expected)");
-    }
-    used.insert(name);
-    return *found;
-  };
-  // Checked first, so that a bad state dict leaves the model unchanged.
-  for (const auto& item : model.named_parameters()) {
-    auto it = sharded.find(item.value().unsafeGetTensorImpl());
-    if (it != sharded.end()) {
-      detail::require_sharded(it->second, item.key(), "set_full_state_dict");
-      whole_of(item.key(), it->second.param->layout().global_shape);
-    } else {
-      whole_of(item.key(), item.value().sizes());
-    }
-  }
-  for (const auto& item : model.named_buffers()) whole_of(item.key(), item.value().sizes());
-  if (strict && used.size() != state.size()) {
-    for (const auto& item : state) {
-      if (!used.count(item.key())) {
-        throw std::invalid_argument("set_full_state_dict: '" + item.key() +
-                                    "' is not a parameter or buffer of the model (strict)");
-      }
-    }
-  }
-  for (const auto& item : model.named_parameters()) {
-    const at::Tensor& whole = *state.find(item.key());
-    auto it = sharded.find(item.value().unsafeGetTensorImpl());
-    if (it != sharded.end()) {
-      it->second.param->load_full(whole);
-    } else {
-      item.value().copy_(whole);
-    }
-  }
-  for (const auto& item : model.named_buffers()) item.value().copy_(*state.find(item.key()));
+  load_full(model, detail::source_of(state), strict, "set_full_state_dict");
 }
 
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path) {
-  const StateDict state = get_full_state_dict(model);
-  if (writes_checkpoints()) write_state_dict_file(state, path);
+  detail::CheckpointSink sink(path, "save_full_checkpoint");
+  for_each_full_tensor(
+      model, "save_full_checkpoint",
+      [&](const std::string& name, const at::Tensor& whole) { sink.write(name, whole); });
+  sink.finish();
 }
 
 void load_full_checkpoint(torch::nn::Module& model, const std::string& path, bool strict) {
-  set_full_state_dict(model, read_state_dict_file(path), strict);
+  detail::TorchSaveReader reader(path);
+  load_full(model, detail::source_of(reader), strict, "load_full_checkpoint");
 }
 
 }  // namespace hp

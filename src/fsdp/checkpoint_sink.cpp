@@ -1,0 +1,52 @@
+#include "checkpoint_sink.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+#include "hyperparallel/launch_env.h"
+
+namespace hp::detail {
+namespace {
+
+bool writes_checkpoints() {
+  return std::getenv("RANK") == nullptr || LaunchEnv::from_environment().rank == 0;
+}
+
+}  // namespace
+
+CheckpointSink::CheckpointSink(const std::string& path, std::string caller)
+    : caller_(std::move(caller)) {
+  if (!writes_checkpoints()) return;
+  try {
+    writer_.emplace(path);
+  } catch (const std::exception& error) {
+    keep_error(error);
+  }
+}
+
+void CheckpointSink::keep_error(const std::exception& error) {
+  error_ = error.what();
+  writer_.reset();  // removes the partial file
+}
+
+void CheckpointSink::write(const std::string& name, const at::Tensor& whole) {
+  if (!writer_) return;
+  try {
+    writer_->write(name, whole);
+  } catch (const std::exception& error) {
+    keep_error(error);
+  }
+}
+
+void CheckpointSink::finish() {
+  if (writer_) {
+    try {
+      writer_->finish();
+    } catch (const std::exception& error) {
+      keep_error(error);
+    }
+  }
+  if (!error_.empty()) throw std::runtime_error(caller_ + ": " + error_);
+}
+
+}  // namespace hp::detail

@@ -1,0 +1,36 @@
+#pragma once
+// The file a full checkpoint streams into, on the rank that writes it: the launch's rank 0
+// (RANK; a process without RANK writes). The other ranks gather the same tensors and
+// drop them.
+//
+// A write error is kept and thrown by finish(), after the save's collectives have run:
+// throwing at once would leave the other ranks waiting in the next gather.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "torch_save_writer.h"
+
+namespace hp::detail {
+
+class CheckpointSink {
+ public:
+  CheckpointSink(const std::string& path, std::string caller);
+  // Writes `whole` as entry `name` on the writing rank; does nothing on the others or
+  // after an error.
+  void write(const std::string& name, const at::Tensor& whole);
+  // Completes the file, or throws the first error as std::runtime_error, prefixed with
+  // the caller.
+  void finish();
+
+ private:
+  void keep_error(const std::exception& error);
+
+  std::string caller_;
+  std::optional<TorchSaveWriter> writer_;  // only on the writing rank, until an error
+  std::string error_;                      // the first one; empty: none
+};
+
+}  // namespace hp::detail

@@ -1,0 +1,39 @@
+#pragma once
+// Whole tensors by name for the functions that load them into a model or an optimizer:
+// a state dict in memory, or a checkpoint file read one tensor at a time. Shapes come
+// first, so that everything is checked before anything changes; each tensor is then
+// read when it is loaded.
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "hyperparallel/state_dict.h"
+
+namespace hp::detail {
+
+class TorchSaveReader;
+
+struct FullTensorSource {
+  std::string description;  // for messages: "the state dict", "checkpoint file <path>"
+  std::vector<std::string> names;
+  // Unset when there is no tensor of that name.
+  std::function<std::optional<c10::IntArrayRef>(const std::string&)> shape_of;
+  // The whole tensor of a name that shape_of knows; may share memory with the source.
+  std::function<at::Tensor(const std::string&)> read;
+};
+
+// Both refer to their argument, which must outlive the source.
+FullTensorSource source_of(const StateDict& state);
+FullTensorSource source_of(TorchSaveReader& reader);
+
+// Strict: throws std::invalid_argument naming `caller` and the first name of `source`
+// that is not in `used`, which "is <not_what>".
+void require_all_used(const FullTensorSource& source, const std::set<std::string>& used,
+                      bool strict, const std::string& caller, const std::string& not_what);
+
+}  // namespace hp::detail

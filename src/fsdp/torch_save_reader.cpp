@@ -1,0 +1,149 @@
+#include "torch_save_reader.h"
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+namespace hp::detail {
+namespace {
+
+// While the dict is unpickled, each storage holds the key of its record instead of data,
+// so that no tensor data is loaded.
+struct RecordKey {
+  std::string key;
+};
+
+void delete_record_key(void* context) { delete static_cast<RecordKey*>(context); }
+
+at::DataPtr record_key_placeholder(const std::string& key) {
+  return at::DataPtr(nullptr, new RecordKey{key}, &delete_record_key, at::kCPU);
+}
+
+constexpr const char* kHostByteOrder = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? "little" : "big";
+
+// Elements of the storage the view reaches; 0 for an empty view.
+int64_t storage_elements_needed(const TorchSaveReader::Entry& entry) {
+  int64_t last = entry.storage_offset;
+  for (size_t d = 0; d < entry.shape.size(); ++d) {
+    if (entry.shape[d] == 0) return 0;
+    last += (entry.shape[d] - 1) * entry.strides[d];
+  }
+  return last + 1;
+}
+
+}  // namespace
+
+TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
+  // PyTorchStreamReader would report a missing file only as an errno number.
+  if (std::FILE* file = std::fopen(path.c_str(), "rb")) {
+    std::fclose(file);
+  } else {
+    throw std::invalid_argument("cannot open checkpoint file " + path + ": " +
+                                std::strerror(errno));
+  }
+  try {
+    archive_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& error) {
+    throw std::invalid_argument(path +
+                                " is not a torch.save zip archive (truncated, damaged, or saved "
+                                "with _use_new_zipfile_serialization=False?): " +
+                                error.what_without_backtrace());
+  }
+  if (archive_->hasRecord("byteorder")) {
+    auto [order, size] = archive_->getRecord("byteorder");
+    if (std::string(static_cast<const char*>(order.get()), size) != kHostByteOrder) {
+      throw std::invalid_argument(path + " holds tensors in another byte order than this " +
+                                  "machine's; load and save it again with Python's torch here");
+    }
+  }
+  if (!archive_->hasRecord("data.pkl")) {
+    throw std::invalid_argument(path +
+                                " has no data.pkl: not written by torch.save (a TorchScript "
+                                "module?); save a dict of tensors");
+  }
+  auto [pickle, pickle_size] = archive_->getRecord("data.pkl");
+  size_t pickle_read = 0;
+  auto read_pickle = [&, data = static_cast<const char*>(pickle.get())](char* buffer, size_t n) {
+    n = std::min(n, pickle_size - pickle_read);
+    std::memcpy(buffer, data + pickle_read, n);
+    pickle_read += n;
+    return n;
+  };
+  c10::IValue value;
+  try {
+    torch::jit::Unpickler unpickler(read_pickle, /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
+                                    &record_key_placeholder, at::Device(at::kCPU));
+    unpickler.set_version(archive_->version());
+    value = unpickler.parse_ivalue();
+  } catch (const c10::Error& error) {
+    // LibTorch's unpickler reads Python's OrderedDict (what state_dict() returns) as None.
+    throw std::invalid_argument(path + ": cannot unpickle its dict (" +
+                                error.what_without_backtrace() +
+                                "); save a plain dict of tensors (in Python: "
+                                "torch.save(dict(model.state_dict()), path))");
+  }
+  if (!value.isGenericDict()) {
+    throw std::invalid_argument(path + " does not hold a dict of tensors (a state dict)");
+  }
+  for (const auto& item : value.toGenericDict()) {
+    if (!item.key().isString() || !item.value().isTensor()) {
+      throw std::invalid_argument(path + " holds a dict entry that is not name -> tensor");
+    }
+    const std::string& name = item.key().toStringRef();
+    const at::Tensor& tensor = item.value().toTensor();
+    if (tensor.layout() != at::kStrided || tensor.is_quantized()) {
+      throw std::invalid_argument("'" + name + "' in " + path +
+                                  " is a sparse or quantized tensor; only dense tensors are read");
+    }
+    Entry entry{name,
+                tensor.scalar_type(),
+                tensor.sizes().vec(),
+                tensor.strides().vec(),
+                tensor.storage_offset(),
+                static_cast<int64_t>(tensor.storage().nbytes()),
+                ""};
+    if (auto* key = tensor.storage().data_ptr().cast_context<RecordKey>(&delete_record_key)) {
+      entry.record = "data/" + key->key;
+    }
+    // Checked now, so that a damaged file is refused before anything is loaded from it.
+    const int64_t needed = storage_elements_needed(entry) * tensor.element_size();
+    const bool has_record = !entry.record.empty() && archive_->hasRecord(entry.record);
+    if (needed > entry.storage_bytes || (entry.storage_bytes > 0 && !has_record) ||
+        (has_record &&
+         archive_->getRecordSize(entry.record) != static_cast<size_t>(entry.storage_bytes))) {
+      throw std::invalid_argument("'" + name + "' in " + path +
+                                  ": its data record is missing or of another size than its "
+                                  "shape needs (a damaged file)");
+    }
+    index_[name] = entries_.size();
+    entries_.push_back(std::move(entry));
+  }
+}
+
+TorchSaveReader::~TorchSaveReader() = default;
+
+const TorchSaveReader::Entry* TorchSaveReader::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+at::Tensor TorchSaveReader::read(const Entry& entry) {
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  at::Tensor storage = at::empty({entry.storage_bytes / itemsize}, at::dtype(entry.dtype));
+  if (entry.storage_bytes > 0) {
+    try {
+      archive_->getRecord(entry.record, storage.data_ptr(), entry.storage_bytes);
+    } catch (const c10::Error& error) {
+      throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
+                               entry.record + "): " + error.what_without_backtrace());
+    }
+  }
+  return storage.as_strided(entry.shape, entry.strides, entry.storage_offset);
+}
+
+}  // namespace hp::detail
