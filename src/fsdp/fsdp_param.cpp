@@ -107,8 +107,14 @@ void FSDPParam::load_full(const at::Tensor& full) {
 at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {
   at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
   all_gather(gathered, padded, shard_group).wait();
-  at::Tensor whole = at::empty(p.layout().global_shape, padded.options());
-  p.layout().copy_from_rank_major(gathered, whole);
+  const ShardLayout& l = p.layout();
+  if (l.dim == 0) {  // rank-major is the padded whole tensor: no copy
+    std::vector<int64_t> padded_whole = l.padded_local_shape;
+    padded_whole[0] = l.chunk * l.world;
+    return gathered.view(padded_whole).narrow(0, 0, l.global_shape[0]);
+  }
+  at::Tensor whole = at::empty(l.global_shape, padded.options());
+  l.copy_from_rank_major(gathered, whole);
   return whole;
 }
 
