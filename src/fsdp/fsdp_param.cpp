@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "../runtime/deferred_init_engine.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp::detail {
@@ -36,9 +37,11 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
       orig_dtype_(variable_.scalar_type()),
       param_dtype_(policy.param_dtype.value_or(variable_.scalar_type())),
       policy_(policy),
-      compute_device_(variable_.device()) {
+      // A deferred (meta) parameter lives where its recorded construction put it.
+      compute_device_(deferred_device(variable_).value_or(variable_.device())) {
   c10::NoGradGuard no_grad;
-  at::TensorOptions shard_options = variable_.options().requires_grad(false);
+  at::TensorOptions shard_options =
+      variable_.options().device(compute_device_).requires_grad(false);
   if (policy_.offload) {
     shard_options = shard_options.device(at::kCPU);
     shard_options = shard_options.pinned_memory(policy_.pin_memory && compute_device_.is_cuda());
@@ -46,7 +49,13 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
   sharded_view_ =
       padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
-  load_full(variable_.detach());
+  if (variable_.is_meta()) {
+    // Deferred: materialize() fills the shard later. set_data refuses meta -> real
+    // (incompatible tensor types), so the variable takes over the shard in place.
+    variable_.unsafeGetTensorImpl()->shallow_copy_from(sharded_view_.getIntrusivePtr());
+  } else {
+    load_full(variable_.detach());
+  }
   install_sharded();
 }
 
