@@ -225,6 +225,16 @@ TEST(DeferredInit, UserInitMatchesEagerModelWithTheSameInit) {
   expect_same_tensors(*deferred, *eager);  // parameters from init, buffers replayed
 }
 
+TEST(DeferredInit, UserInitThatReplacesTheTensorFails) {
+  models::Mlp deferred = deferred_init([] { return models::Mlp(3, 4, 5, 2, 1); });
+  const std::string message = testing::error_of([&] {
+    materialize(*deferred,
+                [](const std::string&, at::Tensor& whole) { whole = torch::zeros({1}); });
+  });
+  EXPECT_NE(message.find("'input.weight'"), std::string::npos) << message;
+  EXPECT_NE(message.find("in place"), std::string::npos) << message;
+}
+
 TEST(DeferredInit, RecordIsFreedOnceMaterializedOrDropped) {
   // The record holds the real tensors the construction read; watching one tells whether
   // the record still lives.

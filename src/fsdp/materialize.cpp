@@ -87,22 +87,27 @@ void materialize(torch::nn::Module& module,
   std::vector<Target> params;
   add_deferred(module.named_parameters(), seen, params);
   const ShardedIndex sharded = detail::index_sharded_params();
-  for (const Target& target : params) {
-    const detail::ShardedParam* p = sharded_param(sharded, target);
+  std::vector<const detail::ShardedParam*> sharded_params;  // checked before any work
+  for (const Target& target : params) sharded_params.push_back(sharded_param(sharded, target));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Target& target = params[i];
     // A sharded parameter's variable holds only its shard by now.
-    const std::vector<int64_t> shape =
-        p ? p->param->layout().global_shape : target.tensor.sizes().vec();
-    at::Tensor whole =
-        at::empty(shape, target.tensor.options().device(*detail::deferred_device(target.tensor)));
+    const std::vector<int64_t> shape = sharded_params[i]
+                                           ? sharded_params[i]->param->layout().global_shape
+                                           : target.tensor.sizes().vec();
+    const at::TensorOptions options =
+        target.tensor.options().device(*detail::deferred_device(target.tensor));
+    at::Tensor whole = at::empty(shape, options);
     {
       c10::NoGradGuard no_grad;
       init(target.name, whole);
     }
-    if (!whole.defined() || whole.sizes() != at::IntArrayRef(shape)) {
-      throw std::invalid_argument(
-          "materialize: the init function left parameter '" + target.name + "' " +
-          (whole.defined() ? "with shape " + c10::str(whole.sizes()) : std::string("undefined")) +
-          "; fill the tensor it is given (shape " + c10::str(shape) + ") in place");
+    if (!whole.defined() || whole.sizes() != at::IntArrayRef(shape) ||
+        whole.scalar_type() != target.tensor.scalar_type()) {
+      throw std::invalid_argument("materialize: the init function replaced parameter '" +
+                                  target.name + "' (shape " + c10::str(shape) + ", " +
+                                  c10::toString(target.tensor.scalar_type()) +
+                                  ") by another tensor; fill the tensor it is given in place");
     }
     deliver(target, whole, sharded);
     detail::mark_materialized(target.tensor);

@@ -127,6 +127,38 @@ struct DeferredInput {
   c10::Device device;
 };
 
+// The deferred tensors among an op's arguments, and the device its results would have in
+// an eager run: an explicit device argument, else the first deferred input's, else the
+// first real input's, else the CPU.
+struct OpInputs {
+  std::vector<DeferredInput> deferred;
+  c10::Device device{c10::kCPU};
+};
+
+OpInputs inspect_inputs(c10::ArrayRef<c10::IValue> args) {
+  OpInputs inputs;
+  std::optional<c10::Device> explicit_device, real_device;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].isDevice() && !explicit_device) explicit_device = args[i].toDevice();
+    for_each_tensor(args[i], [&](const at::Tensor& t, int64_t position) {
+      if (const DeferredTensorImpl* impl = pending_deferred(t)) {
+        inputs.deferred.push_back(
+            {i, position, t, impl->pending()->value, impl->pending()->device});
+      } else if (!real_device && !t.is_meta()) {
+        real_device = t.device();
+      }
+    });
+  }
+  if (explicit_device) {
+    inputs.device = *explicit_device;
+  } else if (!inputs.deferred.empty()) {
+    inputs.device = inputs.deferred.front().device;
+  } else if (real_device) {
+    inputs.device = *real_device;
+  }
+  return inputs;
+}
+
 [[noreturn]] void throw_reads_values(const c10::OperatorHandle& op) {
   throw std::logic_error(
       "hp::deferred_init: " + name_of(op) +
@@ -136,100 +168,78 @@ struct DeferredInput {
       "it from real tensors.");
 }
 
-// Runs `op` (its arguments on top of `stack`) on the meta device, writes it into `log`,
-// and leaves deferred tensors for its results on the stack.
-void record(const c10::OperatorHandle& op, const std::shared_ptr<DeferredLog>& owner,
-            torch::jit::Stack& stack, bool factory) {
-  DeferredLog& log = *owner;
-  const c10::FunctionSchema& schema = op.schema();
-  const auto& arguments = schema.arguments();
-  const size_t num_args = arguments.size();
-  const auto args = torch::jit::last(stack, num_args);
-
-  std::vector<DeferredInput> deferred;
-  std::optional<c10::Device> explicit_device, real_device;
-  for (size_t i = 0; i < num_args; ++i) {
-    if (args[i].isDevice() && !explicit_device) explicit_device = args[i].toDevice();
-    for_each_tensor(args[i], [&](const at::Tensor& t, int64_t position) {
-      if (const DeferredTensorImpl* impl = pending_deferred(t)) {
-        deferred.push_back({i, position, t, impl->pending()->value, impl->pending()->device});
-      } else if (!real_device && !t.is_meta()) {
-        real_device = t.device();
-      }
-    });
-  }
-  if (!deferred.empty() && op.hasTag(at::Tag::data_dependent_output)) throw_reads_values(op);
-  // Where the results would live in an eager run.
-  const c10::Device device = explicit_device     ? *explicit_device
-                             : !deferred.empty() ? deferred.front().device
-                                                 : real_device.value_or(c10::Device(c10::kCPU));
-
-  RecordedOp recorded(op);
-  recorded.draws_random = draws_random(op);
-  for (size_t i = 0; i < num_args; ++i) {
+// The alias groups `op` writes in place (arguments annotated Tensor(a!)).
+std::vector<GroupId> written_groups(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                    const DeferredLog& log) {
+  std::vector<GroupId> groups;
+  const auto& arguments = op.schema().arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
     const auto* alias = arguments[i].alias_info();
     if (!alias || !alias->isWrite()) continue;
     for_each_tensor(args[i], [&](const at::Tensor& t, int64_t) {
-      if (!pending_deferred(t)) {
+      const DeferredTensorImpl* impl = pending_deferred(t);
+      if (!impl) {
         throw std::logic_error("hp::deferred_init: " + name_of(op) +
                                " would write values computed from deferred tensors into a "
                                "real tensor, which cannot wait for materialize(); make the "
                                "destination inside the construction too");
       }
-      recorded.written_groups.push_back(log.group_of[pending_deferred(t)->pending()->value]);
+      groups.push_back(log.group_of[impl->pending()->value]);
     });
   }
-  if (overwrites_self(op) && !deferred.empty() && deferred.front().arg == 0 &&
-      deferred.front().position == -1 && arguments[0].alias_info() &&
-      arguments[0].alias_info()->isWrite() && sole_owner_of_storage(deferred.front().tensor)) {
-    const at::Tensor& self = deferred.front().tensor;
-    const GroupId group = log.group_of[deferred.front().value];
-    const bool read_elsewhere =
-        std::any_of(deferred.begin() + 1, deferred.end(),
-                    [&](const DeferredInput& d) { return log.group_of[d.value] == group; });
-    if (!read_elsewhere) {
-      recorded.overwrite =
-          Overwrite{deferred.front().value, self.sizes().vec(), self.strides().vec(),
-                    at::TensorOptions().dtype(self.dtype()).device(device)};
-    }
-  }
-  for (const DeferredInput& d : deferred) {
-    if (!(recorded.overwrite && d.value == recorded.overwrite->value && d.arg == 0)) {
-      recorded.reads.push_back(d.value);
-    }
-  }
+  return groups;
+}
 
-  // The record keeps the arguments as given (real devices, real tensors); the meta run
-  // gets meta devices and meta stand-ins for real tensors.
-  torch::jit::Stack meta_args;
-  for (size_t i = 0; i < num_args; ++i) {
-    RecordedArg arg;
-    arg.value = map_tensors(args[i], [&](const at::Tensor& t, int64_t position) -> at::Tensor {
-      const DeferredTensorImpl* impl = pending_deferred(t);
-      if (!impl) return t;
-      arg.deferred.emplace_back(position, impl->pending()->value);
-      return at::Tensor();
-    });
-    recorded.args.push_back(std::move(arg));
-
-    c10::IValue meta = args[i];
-    if (is_kind(arguments[i].type(), c10::TypeKind::DeviceObjType)) {
-      // A factory without a device would make a real CPU tensor.
-      if (factory || !meta.isNone()) meta = c10::Device(c10::kMeta);
-    } else if (arguments[i].name() == "pin_memory" && !meta.isNone()) {
-      meta = false;  // meta tensors cannot be pinned
-    } else {
-      meta = map_tensors(meta, [](const at::Tensor& t, int64_t) {
-        return pending_deferred(t) ? t : t.to(at::kMeta);
-      });
-    }
-    meta_args.push_back(std::move(meta));
+// Set when `op` replaces every element of its first argument, a deferred tensor that is
+// alone on its storage and that the op reads nowhere else.
+std::optional<Overwrite> whole_overwrite(const c10::OperatorHandle& op, const OpInputs& inputs,
+                                         const DeferredLog& log) {
+  const auto& arguments = op.schema().arguments();
+  if (!overwrites_self(op) || inputs.deferred.empty() || arguments.empty()) return std::nullopt;
+  const DeferredInput& self = inputs.deferred.front();
+  const auto* alias = arguments[0].alias_info();
+  if (self.arg != 0 || self.position != -1 || !alias || !alias->isWrite() ||
+      !sole_owner_of_storage(self.tensor)) {
+    return std::nullopt;
   }
+  const GroupId group = log.group_of[self.value];
+  for (size_t i = 1; i < inputs.deferred.size(); ++i) {
+    if (log.group_of[inputs.deferred[i].value] == group) return std::nullopt;
+  }
+  return Overwrite{self.value, self.tensor.sizes().vec(), self.tensor.strides().vec(),
+                   at::TensorOptions().dtype(self.tensor.dtype()).device(inputs.device)};
+}
+
+// The argument as the record keeps it: as given, deferred tensors named by value.
+RecordedArg recorded_argument(const c10::IValue& value) {
+  RecordedArg arg;
+  arg.value = map_tensors(value, [&](const at::Tensor& t, int64_t position) -> at::Tensor {
+    const DeferredTensorImpl* impl = pending_deferred(t);
+    if (!impl) return t;
+    arg.deferred.emplace_back(position, impl->pending()->value);
+    return at::Tensor();
+  });
+  return arg;
+}
+
+// The argument for the meta run: meta devices, meta stand-ins for real tensors.
+c10::IValue meta_argument(const c10::Argument& argument, const c10::IValue& value, bool factory) {
+  if (is_kind(argument.type(), c10::TypeKind::DeviceObjType)) {
+    // A factory without a device would make a real CPU tensor.
+    return factory || !value.isNone() ? c10::IValue(c10::Device(c10::kMeta)) : value;
+  }
+  if (argument.name() == "pin_memory" && !value.isNone()) return false;  // meta cannot pin
+  return map_tensors(value, [](const at::Tensor& t, int64_t) {
+    return pending_deferred(t) ? t : t.to(at::kMeta);
+  });
+}
+
+void run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   try {
-    // Autograd stays out: outputs must be plain tensors (no view or history metadata)
+    // Autograd stays out: results must be plain tensors (no view or history metadata)
     // to become deferred tensors; replay runs under NoGradGuard anyway.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.callBoxed(meta_args);
+    op.callBoxed(stack);
   } catch (const c10::Error& error) {
     throw std::logic_error("hp::deferred_init: " + name_of(op) +
                            " failed on deferred (meta) tensors: " + error.what_without_backtrace() +
@@ -237,40 +247,93 @@ void record(const c10::OperatorHandle& op, const std::shared_ptr<DeferredLog>& o
                            "hp::materialize(): construction code must not read tensor values "
                            "(item(), nonzero(), ...); move such code after materialize().");
   }
+}
 
-  // Results that are new tensors become new values; a view joins the alias group of the
-  // tensor whose storage it shares.
-  std::unordered_map<const c10::StorageImpl*, GroupId> groups;
-  for (const DeferredInput& d : deferred) {
-    if (const auto* storage = storage_of(d.tensor)) groups.emplace(storage, log.group_of[d.value]);
+// Turns the new tensors among an op's meta results into deferred tensors standing for
+// new values of `log`; a view joins the alias group of the tensor whose storage it shares.
+class ResultWrapper {
+ public:
+  ResultWrapper(const std::shared_ptr<DeferredLog>& owner, const OpInputs& inputs)
+      : owner_(owner), inputs_(inputs) {
+    for (const DeferredInput& d : inputs.deferred) {
+      if (const auto* storage = storage_of(d.tensor)) {
+        groups_.emplace(storage, owner->group_of[d.value]);
+      }
+    }
   }
-  std::vector<c10::IValue> results;
-  for (const c10::IValue& result : meta_args) {
-    DeferredSlots made;
-    results.push_back(map_tensors(result, [&](const at::Tensor& t, int64_t position) {
-      for (const DeferredInput& d : deferred) {
+
+  // `result` with its new tensors wrapped; their values are added to `made`.
+  c10::IValue wrap(const c10::IValue& result, DeferredSlots& made) {
+    return map_tensors(result, [&](const at::Tensor& t, int64_t position) {
+      for (const DeferredInput& d : inputs_.deferred) {
         if (d.tensor.is_same(t)) return t;  // an input returned as it was (in-place)
       }
-      GroupId group;
-      const c10::StorageImpl* storage = storage_of(t);
-      auto found = storage ? groups.find(storage) : groups.end();
-      if (found != groups.end()) {
-        group = found->second;
-      } else {
-        group = log.new_group();
-        if (storage) groups.emplace(storage, group);
-      }
-      const ValueId value = log.new_value(group);
+      const ValueId value = owner_->new_value(group_of(t));
       made.emplace_back(position, value);
-      return make_deferred(t, DeferredValue{owner, value, device});
-    }));
+      return make_deferred(t, DeferredValue{owner_, value, inputs_.device});
+    });
+  }
+
+ private:
+  GroupId group_of(const at::Tensor& t) {
+    const c10::StorageImpl* storage = storage_of(t);
+    if (!storage) return owner_->new_group();
+    auto found = groups_.find(storage);
+    if (found != groups_.end()) return found->second;
+    return groups_.emplace(storage, owner_->new_group()).first->second;
+  }
+
+  const std::shared_ptr<DeferredLog>& owner_;
+  const OpInputs& inputs_;
+  std::unordered_map<const c10::StorageImpl*, GroupId> groups_;
+};
+
+// Runs `op` (its arguments on top of `stack`) on the meta device, writes it into the
+// record, and leaves deferred tensors for its results on the stack.
+void record(const c10::OperatorHandle& op, const std::shared_ptr<DeferredLog>& owner,
+            torch::jit::Stack& stack, bool factory) {
+  DeferredLog& log = *owner;
+  const auto& arguments = op.schema().arguments();
+  const size_t num_args = arguments.size();
+  const auto args = torch::jit::last(stack, num_args);
+
+  const OpInputs inputs = inspect_inputs(args);
+  if (!inputs.deferred.empty() && op.hasTag(at::Tag::data_dependent_output)) {
+    throw_reads_values(op);
+  }
+  RecordedOp recorded(op);
+  recorded.draws_random = draws_random(op);
+  recorded.written_groups = written_groups(op, args, log);
+  recorded.overwrite = whole_overwrite(op, inputs, log);
+  for (const DeferredInput& d : inputs.deferred) {
+    const bool overwritten =
+        recorded.overwrite && d.arg == 0 && d.value == recorded.overwrite->value;
+    if (!overwritten) recorded.reads.push_back(d.value);
+  }
+
+  torch::jit::Stack meta_stack;
+  for (size_t i = 0; i < num_args; ++i) {
+    recorded.args.push_back(recorded_argument(args[i]));
+    meta_stack.push_back(meta_argument(arguments[i], args[i], factory));
+  }
+  run_on_meta(op, meta_stack);
+
+  ResultWrapper wrapper(owner, inputs);
+  std::vector<c10::IValue> results;
+  for (const c10::IValue& result : meta_stack) {
+    DeferredSlots made;
+    results.push_back(wrapper.wrap(result, made));
     recorded.outputs.push_back(std::move(made));
   }
 
+  // An op that made no new value and wrote nothing (e.g. a size query) changes nothing
+  // materialize() would need.
   const bool made_values = std::any_of(recorded.outputs.begin(), recorded.outputs.end(),
                                        [](const auto& made) { return !made.empty(); });
   if (made_values || !recorded.written_groups.empty()) {
-    if (recorded.draws_random && device.type() != c10::kMeta) log.generators.add(device);
+    if (recorded.draws_random && inputs.device.type() != c10::kMeta) {
+      log.generators.add(inputs.device);
+    }
     log.ops.push_back(std::move(recorded));
   }
   torch::jit::drop(stack, num_args);
