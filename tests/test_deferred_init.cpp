@@ -124,6 +124,26 @@ TEST(DeferredInit, VisionTransformerMatchesEagerConstruction) {
   expect_deferred_matches_eager<models::VisionTransformer>(13, config);
 }
 
+// Inits with views, QR and constants: orthogonal_, xavier_normal_, constant_.
+struct InitZooImpl : torch::nn::Module {
+  InitZooImpl() {
+    torch::nn::init::orthogonal_(register_parameter("orthogonal", torch::empty({6, 4})));
+    torch::nn::init::xavier_normal_(register_parameter("xavier", torch::empty({3, 5, 2})));
+    torch::nn::init::constant_(register_parameter("constant", torch::empty({8})), 0.3);
+  }
+};
+TORCH_MODULE(InitZoo);
+
+TEST(DeferredInit, LibTorchModulesMatchEagerConstruction) {
+  expect_deferred_matches_eager<torch::nn::LSTM>(31, torch::nn::LSTMOptions(4, 6).num_layers(2));
+  expect_deferred_matches_eager<torch::nn::MultiheadAttention>(32, 8, 2);
+  expect_deferred_matches_eager<torch::nn::BatchNorm2d>(33, 6);
+  expect_deferred_matches_eager<torch::nn::Bilinear>(34, 3, 4, 5);
+  expect_deferred_matches_eager<torch::nn::Transformer>(35,
+                                                        torch::nn::TransformerOptions(8, 2, 1, 1));
+  expect_deferred_matches_eager<InitZoo>(36);
+}
+
 // Buffers (BatchNorm), Embedding's padding row written through a view, a parameter that
 // is the result of arithmetic on random draws, in-place writes through a narrow() view,
 // and a buffer built by a chain of views and copies.
