@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "../runtime/deferred_init_engine.h"
 #include "../runtime/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 
@@ -61,9 +62,11 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
       orig_dtype_(variable_.scalar_type()),
       param_dtype_(policy.param_dtype.value_or(variable_.scalar_type())),
       policy_(policy),
-      compute_device_(variable_.device()) {
+      // A deferred (meta) parameter lives where its recorded construction put it.
+      compute_device_(deferred_device(variable_).value_or(variable_.device())) {
   c10::NoGradGuard no_grad;
-  at::TensorOptions shard_options = variable_.options().requires_grad(false);
+  at::TensorOptions shard_options =
+      variable_.options().device(compute_device_).requires_grad(false);
   if (policy_.offload) {
     shard_options = shard_options.device(at::kCPU);
     shard_options = shard_options.pinned_memory(policy_.pin_memory && compute_device_.is_cuda());
@@ -72,7 +75,8 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   sharded_view_ =
       padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
   if (!unsharded_aliases_shard()) {
-    const at::TensorOptions options = variable_.options().dtype(param_dtype_).requires_grad(false);
+    const at::TensorOptions options =
+        shard_options.device(compute_device_).dtype(param_dtype_).pinned_memory(false);
     if (gathers_in_place()) {
       unsharded_flat_ = at::empty({layout_.world * layout_.padded_numel}, options);
       std::vector<int64_t> padded_full = layout_.padded_local_shape;
@@ -84,8 +88,14 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
     }
     free_storage(unsharded_param_);  // allocated by the first unshard
   }
-  load_full(variable_.detach());
-  variable_.set_data(sharded_view_);
+  if (variable_.is_meta()) {
+    // Deferred: materialize() fills the shard later. set_data refuses meta -> real
+    // (incompatible tensor types), so the variable takes over the shard in place.
+    variable_.unsafeGetTensorImpl()->shallow_copy_from(sharded_view_.getIntrusivePtr());
+  } else {
+    load_full(variable_.detach());
+    variable_.set_data(sharded_view_);
+  }
 }
 
 bool FSDPParam::unsharded_aliases_shard() const {

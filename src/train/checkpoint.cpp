@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "../fsdp/recompute_scope.h"
-#include "rng_snapshot.h"
+#include "../runtime/rng_snapshot.h"
 #include "saved_tensor_hooks.h"
 
 namespace hp {

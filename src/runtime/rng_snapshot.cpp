@@ -17,16 +17,19 @@ at::Tensor state_of(c10::Device device) {
 }  // namespace
 
 RngSnapshot RngSnapshot::capture(const std::vector<at::Tensor>& tensors) {
-  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
-  for (const auto& t : tensors) {
-    if (t.defined() && !t.is_cpu() &&
-        std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
-      devices.push_back(t.device());
-    }
-  }
   RngSnapshot snapshot;
-  for (const auto& device : devices) snapshot.states_.emplace_back(device, state_of(device));
+  snapshot.add(c10::Device(c10::kCPU));
+  for (const auto& t : tensors) {
+    if (t.defined() && !t.is_cpu()) snapshot.add(t.device());
+  }
   return snapshot;
+}
+
+void RngSnapshot::add(c10::Device device) {
+  auto same = [&](const auto& entry) { return entry.first == device; };
+  if (std::none_of(states_.begin(), states_.end(), same)) {
+    states_.emplace_back(device, state_of(device));
+  }
 }
 
 RngSnapshot RngSnapshot::current() const {

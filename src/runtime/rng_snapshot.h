@@ -13,6 +13,9 @@ class RngSnapshot {
  public:
   // The CPU generator and those of the accelerator devices the tensors live on.
   static RngSnapshot capture(const std::vector<at::Tensor>& tensors);
+  // Adds the current state of `device`'s default generator, unless the snapshot already
+  // holds that device's.
+  void add(c10::Device device);
   // The same devices' generators as they are now.
   RngSnapshot current() const;
   void restore() const;
