@@ -19,6 +19,7 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
 #include "models/transformer.h"
+#include "shared_dir.h"
 
 namespace hp {
 namespace {
@@ -64,19 +65,8 @@ void expect_equal_dicts(const StateDict& actual, const StateDict& expected) {
   }
 }
 
-// A directory every rank of this test names alike (the ranks share their parent).
-std::string shared_dir(const std::string& stem) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / (stem + "_" + std::to_string(getppid()));
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-
-void remove_after_all_ranks(const std::string& dir) {
-  auto world = testing::world();
-  barrier(*world->world_group()).wait();
-  if (world->rank() == 0) std::filesystem::remove_all(dir);
-}
+using testing::remove_after_all_ranks;
+using testing::shared_dir;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

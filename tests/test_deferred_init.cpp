@@ -19,9 +19,11 @@
 #include "error_of.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/deferred_init.h"
+#include "hyperparallel/state_dict.h"
 #include "models/mlp.h"
 #include "models/transformer.h"
 #include "models/vit.h"
+#include "shared_dir.h"
 
 namespace hp {
 namespace {
@@ -419,6 +421,55 @@ HP_DIST_TEST(DeferredInitFsdp, PeakMemoryIsShardsPlusOneParameter, 1, 2, 3, 4) {
       static_cast<long long>(largest));
   EXPECT_LE(peak, shard_bytes + largest + kSlack);
   EXPECT_LE(probe.live() - before, shard_bytes + kSlack) << "left allocated after materialize";
+}
+
+// Whole bytes of every sharded parameter of `parts`, and of the largest one.
+std::pair<int64_t, int64_t> whole_and_largest_bytes(const testing::ShardedParts& parts) {
+  int64_t total = 0, largest = 0;
+  for (const auto& [prefix, module] : parts) {
+    for (const auto& info : module.sharded_params()) {
+      int64_t whole = 4;
+      for (int64_t extent : info.global_shape) whole *= extent;
+      total += whole;
+      largest = std::max(largest, whole);
+    }
+  }
+  return {total, largest};
+}
+
+HP_DIST_TEST(DeferredInitFsdp, FullCheckpointLoadsInsteadOfMaterialize, 2, 4) {
+  const TransformerConfig config{
+      .vocab = 512, .dim = 256, .heads = 4, .layers = 4, .ffn_hidden = 1024, .max_seq = 128};
+  const std::string dir = testing::shared_dir("hp_deferred_checkpoint");
+  const std::string path = dir + "/model.pt";
+  torch::manual_seed(26);
+  Sharded<Transformer> eager(config);
+  testing::ShardedParts eager_parts =
+      testing::shard_blocks_then_root(eager->layers, eager, "layers.");
+  save_full_checkpoint(*eager, path);
+  barrier(*testing::world()->world_group()).wait();  // rank 0 wrote it
+
+  auto& probe = testing::CpuMemoryProbe::installed();
+  auto [model, parts] = deferred_and_sharded(27, config);
+  const int64_t before = probe.settled_live();
+  probe.reset_peak();
+  load_full_checkpoint(*model, path);
+  const int64_t peak = probe.peak_above(before);
+  for (const auto& p : model->parameters()) EXPECT_FALSE(is_deferred(p));
+  for (const auto& b : model->buffers()) EXPECT_FALSE(is_deferred(b));
+  materialize(*model);  // nothing left to do: the checkpoint's values stay
+  const auto expected = testing::full_params(eager_parts);
+  const auto actual = testing::full_params(parts);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, want] : expected) {
+    EXPECT_TRUE(torch::equal(actual.at(name), want)) << name;
+  }
+
+  // The reader's whole tensor, and at most one more while the next is read.
+  const auto [whole_model, largest] = whole_and_largest_bytes(parts);
+  EXPECT_LE(peak, 2 * largest + kSlack) << "peak above the shards during the load";
+  EXPECT_LT(peak, whole_model / 4) << "the load held a large part of the model";
+  testing::remove_after_all_ranks(dir);
 }
 
 // A module whose parameter is a meta tensor deferred_init did not make.

@@ -15,6 +15,7 @@
 #include "fsdp_param.h"
 #include "hyperparallel/deferred_init.h"
 #include "sharded_param_index.h"
+#include "whole_value.h"
 
 namespace hp {
 namespace {
@@ -45,18 +46,8 @@ const detail::ShardedParam* sharded_param(const ShardedIndex& sharded, const Tar
   return &found->second;
 }
 
-// Hands the whole value of `target` over and frees nothing itself: the caller drops
-// `whole` afterwards unless the tensor now holds it.
 void deliver(const Target& target, const at::Tensor& whole, const ShardedIndex& sharded) {
-  if (const detail::ShardedParam* p = sharded_param(sharded, target)) {
-    p->param->load_full(whole);  // this rank's part into the local shard
-  } else {
-    // The variable is still a meta tensor. set_data refuses meta -> real (incompatible
-    // tensor types), so its TensorImpl takes over the value's storage and metadata in
-    // place: the variable object itself (module member, parameters(), optimizer state)
-    // and its autograd fields (requires_grad) stay as they are.
-    target.tensor.unsafeGetTensorImpl()->shallow_copy_from(whole.getIntrusivePtr());
-  }
+  detail::set_whole_value(target.tensor, whole, sharded_param(sharded, target));
 }
 
 void replay_into(const std::vector<Target>& targets) {
@@ -110,7 +101,6 @@ void materialize(torch::nn::Module& module,
                                   ") by another tensor; fill the tensor it is given in place");
     }
     deliver(target, whole, sharded);
-    detail::mark_materialized(target.tensor);
   }
   std::vector<Target> buffers;
   add_deferred(module.named_buffers(), seen, buffers);

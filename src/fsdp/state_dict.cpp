@@ -14,6 +14,7 @@
 #include "full_tensor_source.h"
 #include "sharded_param_index.h"
 #include "torch_save_reader.h"
+#include "whole_value.h"
 
 namespace hp {
 namespace {
@@ -76,15 +77,14 @@ void load_full(torch::nn::Module& model, const detail::FullTensorSource& source,
   for (const auto& item : model.named_buffers()) require_whole(item.key(), item.value().sizes());
   detail::require_all_used(source, used, strict, caller, "not a parameter or buffer of the model");
   try {
+    // A model made by deferred_init may be loaded instead of materialized: its tensors
+    // then take their values from here.
     for (const auto& p : params) {
-      const at::Tensor whole = source.read(p.name);
-      if (p.shard) {
-        p.shard->param->load_full(whole);
-      } else {
-        p.variable.copy_(whole);
-      }
+      detail::set_whole_value(p.variable, source.read(p.name), p.shard ? &*p.shard : nullptr);
     }
-    for (const auto& item : model.named_buffers()) item.value().copy_(source.read(item.key()));
+    for (const auto& item : model.named_buffers()) {
+      detail::set_whole_value(item.value(), source.read(item.key()), nullptr);
+    }
   } catch (const std::runtime_error& error) {  // a record that cannot be read
     throw std::runtime_error(caller + ": " + error.what() +
                              "; the model is partly loaded (the tensors before this one)");

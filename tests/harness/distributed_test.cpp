@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "hyperparallel/collectives.h"
 #include "hyperparallel/launcher.h"
 
 namespace hp::testing {
@@ -29,10 +30,21 @@ std::chrono::milliseconds test_timeout(int requested_seconds) {
   return std::chrono::seconds(seconds > 0 ? seconds : 60);
 }
 
+// Set once the body joined its world.
+std::shared_ptr<World>& joined_world() {
+  static std::shared_ptr<World> joined;
+  return joined;
+}
+
 void run_as_rank(void (*body)()) {
   at::set_num_threads(1);  // ranks share the machine's few cores
   try {
     body();
+    // A rank that exits while others still connect a group to it (Gloo's rendezvous is
+    // not over for them) makes them fail with "Connection closed by peer".
+    if (joined_world() && !::testing::Test::HasFailure()) {
+      barrier(*joined_world()->world_group()).wait();
+    }
   } catch (const std::exception& error) {
     ADD_FAILURE() << "uncaught exception: " << error.what();
   }
@@ -45,13 +57,13 @@ void run_as_rank(void (*body)()) {
 }  // namespace
 
 std::shared_ptr<World> world() {
-  static std::shared_ptr<World> joined = [] {
+  if (!joined_world()) {
     if (!std::getenv(kChildVariable)) {
       throw std::logic_error("hp::testing::world() is only available inside HP_DIST_TEST");
     }
-    return default_world();
-  }();
-  return joined;
+    joined_world() = default_world();
+  }
+  return joined_world();
 }
 
 void run_distributed(const char* test_name, int world_size, void (*body)(), int timeout_seconds) {
