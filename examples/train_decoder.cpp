@@ -27,6 +27,7 @@
 #include "hyperparallel/checkpoint.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/state_dict.h"
@@ -282,7 +283,9 @@ int train(const Options& o) {
   config.ffn_hidden = 4 * o.dim;
   config.max_seq = o.seq;
   torch::manual_seed(o.seed);  // the same initial model on every rank
-  hp::Sharded<hp::models::Transformer> model(config);
+  // Recorded, not allocated: no rank ever holds the whole model; each materializes (or
+  // loads) only its shards, below.
+  auto model = hp::deferred_init([&] { return hp::Sharded<hp::models::Transformer>(config); });
   model->checkpoint_layers.assign(o.layers, o.checkpoint);
   const int64_t full_params = numel_of(model->parameters());
 
@@ -298,6 +301,7 @@ int train(const Options& o) {
   options.comm_fusion = o.comm_fusion;
   for (auto& layer : model->layers) hp::fully_shard(layer, options);
   hp::fully_shard(model, options);
+  if (o.resume_dir.empty()) hp::materialize(*model);  // a resumed run loads its values below
   const int64_t local_params = numel_of(model->parameters());
   const std::string mesh_text = o.replicate == 1
                                     ? "dp_shard=" + std::to_string(o.shard) + " (FSDP)"
