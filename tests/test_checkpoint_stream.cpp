@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint_test_util.h"
 #include "cpu_memory_probe.h"
 #include "distributed_test.h"
 #include "error_of.h"
@@ -25,64 +26,15 @@ namespace hp {
 namespace {
 
 using models::Transformer;
-using models::TransformerConfig;
+using testing::checkpoint_config;
+using testing::contains;
 using testing::error_of;
-
-// Eight equal layers: the whole model is over 30 times its largest tensor.
-TransformerConfig small_config() {
-  TransformerConfig config;
-  config.vocab = 64;
-  config.dim = 64;
-  config.heads = 4;
-  config.layers = 8;
-  config.ffn_hidden = 256;
-  config.max_seq = 16;
-  return config;
-}
-
-Sharded<Transformer> sharded_transformer(uint64_t seed, const FullyShardOptions& options) {
-  torch::manual_seed(seed);
-  Sharded<Transformer> model(small_config());
-  testing::shard_blocks_then_root(model->layers, model, "layers.", options);
-  return model;
-}
-
-// One AdamW step on this rank's own tokens: parameters and optimizer state are no longer
-// the initial ones.
-void train_one_step(Sharded<Transformer>& model, torch::optim::Optimizer& optimizer) {
-  auto world = testing::world();
-  torch::manual_seed(100 + world->rank());
-  const at::Tensor tokens = torch::randint(small_config().vocab, {2, 9});
-  optimizer.zero_grad();
-  testing::token_cross_entropy(model(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8)).backward();
-  optimizer.step();
-}
-
-void expect_equal_dicts(const StateDict& actual, const StateDict& expected) {
-  ASSERT_EQ(actual.keys(), expected.keys());
-  for (const auto& item : expected) {
-    EXPECT_TRUE(torch::equal(actual[item.key()], item.value())) << item.key();
-  }
-}
-
+using testing::expect_equal_dicts;
 using testing::remove_after_all_ranks;
+using testing::run_python;
+using testing::sharded_transformer;
 using testing::shared_dir;
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
-// Runs `script` with python3; false when Python has no torch package (exit code 77).
-bool run_python(const std::string& dir, const std::string& script) {
-  const std::string file = dir + "/check.py";
-  std::ofstream(file)
-      << "import sys\ntry:\n    import torch\nexcept ImportError:\n    sys.exit(77)\n"
-      << script;
-  const int status = std::system(("python3 " + file).c_str());
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) return false;
-  EXPECT_EQ(status, 0) << script;
-  return true;
-}
+using testing::train_one_step;
 
 // Saved on FSDP over 2 ranks or 2x2 HSDP, loaded where every weight matrix is sharded on
 // its other dim, and into the plain model: the full state is the saved one.
@@ -116,7 +68,7 @@ HP_DIST_TEST(CheckpointStream, ModelAndOptimizerRoundTripAcrossMeshes, 2, 4) {
                      get_full_optimizer_state_dict(*saved, saved_opt));
 
   torch::manual_seed(3);
-  Transformer plain(small_config());
+  Transformer plain(checkpoint_config());
   load_full_checkpoint(*plain, dir + "/model.pt");
   for (const auto& item : plain->named_parameters()) {
     EXPECT_TRUE(torch::equal(item.value(), expected[item.key()])) << item.key();
@@ -132,7 +84,7 @@ HP_DIST_TEST(CheckpointStream, PeakMemoryIsAFewTensorsNotTheModel, 2) {
   train_one_step(model, opt);
   int64_t largest = 0, whole_model = 0;
   torch::manual_seed(42);
-  Transformer plain(small_config());
+  Transformer plain(checkpoint_config());
   for (const auto& item : plain->named_parameters()) {
     largest = std::max<int64_t>(largest, item.value().nbytes());
     whole_model += item.value().nbytes();

@@ -30,6 +30,8 @@ std::vector<int64_t> ShardLayout::local_shape() const {
   return shape;
 }
 
+int64_t ShardLayout::start() const { return std::min(rank * chunk, global_shape[dim]); }
+
 int64_t ShardLayout::length_of(int64_t r) const {
   return std::clamp<int64_t>(global_shape[dim] - r * chunk, 0, chunk);
 }
@@ -104,14 +106,15 @@ bool FSDPParam::unsharded_aliases_shard() const {
 }
 
 at::Tensor FSDPParam::local_part(const at::Tensor& full) const {
-  const int64_t start = std::min(layout_.rank * layout_.chunk, full.size(layout_.dim));
-  return full.narrow(layout_.dim, start, layout_.local);
+  return full.narrow(layout_.dim, layout_.start(), layout_.local);
 }
 
-void FSDPParam::load_full(const at::Tensor& full) {
+void FSDPParam::load_full(const at::Tensor& full) { load_local(local_part(full)); }
+
+void FSDPParam::load_local(const at::Tensor& local) {
   if (layout_.local == 0) return;
   c10::NoGradGuard no_grad;
-  sharded_view_.copy_(local_part(full));
+  sharded_view_.copy_(local);
 }
 
 at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {

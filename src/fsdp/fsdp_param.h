@@ -43,6 +43,8 @@ struct ShardLayout {
   ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t world_size,
               int64_t rank_in_group);
   std::vector<int64_t> local_shape() const;
+  // Where this rank's part starts along `dim` (its `local` entries follow).
+  int64_t start() const;
   // Entries of rank r's chunk along `dim` (fewer for the last ranks, 0 for padding).
   int64_t length_of(int64_t r) const;
   // Copies a rank-major [world x padded_numel] gather into `full` (global shape).
@@ -112,6 +114,8 @@ class FSDPParam {
   at::Tensor local_part(const at::Tensor& full) const;
   // Copies this rank's part of the whole parameter into the shard (padding stays zero).
   void load_full(const at::Tensor& full);
+  // Copies this rank's part (shaped like local_shape()) into the shard.
+  void load_local(const at::Tensor& local);
   // The local shard in the parameter's own dtype and shape (a view of the padded shard).
   const at::Tensor& sharded_view() const { return sharded_view_; }
   // Throws when the variable no longer holds the shard while sharded: something outside

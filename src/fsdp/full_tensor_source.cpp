@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "fsdp_param.h"
 #include "torch_save_reader.h"
 
 namespace hp::detail {
@@ -30,6 +31,13 @@ FullTensorSource source_of(TorchSaveReader& reader) {
   };
   source.read = [&reader](const std::string& name) { return reader.read(*reader.find(name)); };
   return source;
+}
+
+at::Tensor read_local_part(const FullTensorSource& source, const std::string& name,
+                           const ShardedParam& shard) {
+  const ShardLayout& layout = shard.param->layout();
+  if (source.read_part) return source.read_part(name, layout.dim, layout.start(), layout.local);
+  return source.read(name).narrow(layout.dim, layout.start(), layout.local);
 }
 
 void require_all_used(const FullTensorSource& source, const std::set<std::string>& used,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "hyperparallel/state_dict.h"
+#include "sharded_param_index.h"
 
 namespace hp::detail {
 
@@ -25,7 +26,16 @@ struct FullTensorSource {
   std::function<std::optional<c10::IntArrayRef>(const std::string&)> shape_of;
   // The whole tensor of a name that shape_of knows; may share memory with the source.
   std::function<at::Tensor(const std::string&)> read;
+  // The slice [start, start + length) along `dim` of a tensor, reading only what it needs;
+  // unset: the slice of read(name).
+  std::function<at::Tensor(const std::string&, int64_t dim, int64_t start, int64_t length)>
+      read_part;
 };
+
+// This rank's part of entry `name` (shaped like the whole parameter) for the sharded
+// parameter `shard`: shaped like its local shard.
+at::Tensor read_local_part(const FullTensorSource& source, const std::string& name,
+                           const ShardedParam& shard);
 
 // Both refer to their argument, which must outlive the source.
 FullTensorSource source_of(const StateDict& state);

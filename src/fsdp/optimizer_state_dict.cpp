@@ -19,7 +19,9 @@
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
+#include "param_group.h"
 #include "sharded_param_index.h"
+#include "state_io.h"
 #include "torch_save_reader.h"
 
 namespace hp {
@@ -112,7 +114,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
     if (p.shard) {
       // Every rank of the shard group joins each gather: agree on whether there is one.
       at::Tensor has_state = at::full({1}, param_state ? 1.0f : 0.0f);
-      all_reduce(has_state, ReduceOp::kMin, *p.shard->shard_group).wait();
+      all_reduce(has_state, ReduceOp::kMin, *p.shard->comm->shard).wait();
       if (has_state.item<float>() == 0.0f) continue;
     } else if (!param_state) {
       continue;
@@ -125,7 +127,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
       const at::Tensor whole =
           p.shard ? detail::gather_whole(*p.shard->param,
                                          p.shard->param->pad_local(local, local.scalar_type()),
-                                         *p.shard->shard_group)
+                                         *p.shard->comm->shard)
                   : local;
       visit(p.name + "." + field,
             whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!p.shard.has_value()));
@@ -133,11 +135,12 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
   }
 }
 
-// Replaces the optimizer's state of the model's parameters with each rank's part of the
-// whole tensors of `source`, read one at a time.
-void load_full_optimizer(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                         const detail::FullTensorSource& source, bool strict,
-                         const std::string& caller) {
+}  // namespace
+
+namespace detail {
+
+void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                          const FullTensorSource& source, bool strict, const std::string& caller) {
   c10::NoGradGuard no_grad;
   const StateCodec codec = codec_for(optimizer);
   const std::vector<detail::ModelParam> params = detail::model_params(model);
@@ -194,9 +197,10 @@ void load_full_optimizer(torch::nn::Module& model, torch::optim::Optimizer& opti
           p.shard ? p.shard->param->sharded_view().options() : p.variable.options();
       Fields fields;
       for (const auto& field : planned.fields) {
-        const at::Tensor whole = source.read(p.name + "." + field);
-        const at::Tensor local = p.shard ? p.shard->param->local_part(whole) : whole;
-        fields[field] = local.to(options.dtype(whole.scalar_type()), /*non_blocking=*/false,
+        const std::string key = p.name + "." + field;
+        const at::Tensor local =
+            p.shard ? detail::read_local_part(source, key, *p.shard) : source.read(key);
+        fields[field] = local.to(options.dtype(local.scalar_type()), /*non_blocking=*/false,
                                  /*copy=*/true);
       }
       const int64_t step = planned.has_step ? source.read(p.name + ".step").item<int64_t>() : 0;
@@ -209,7 +213,20 @@ void load_full_optimizer(torch::nn::Module& model, torch::optim::Optimizer& opti
   }
 }
 
-}  // namespace
+std::optional<ParamOptimizerState> optimizer_state_of(torch::optim::Optimizer& optimizer,
+                                                      const at::Tensor& param) {
+  const StateCodec codec = codec_for(optimizer);
+  OptimizerParamState* param_state = state_of(optimizer, param);
+  if (!param_state) return std::nullopt;
+  ParamOptimizerState result;
+  if (codec.has_step) result.step = codec.step(*param_state);
+  for (const auto& [field, local] : codec.fields(*param_state)) {
+    if (local.defined()) result.fields[field] = local;
+  }
+  return result;
+}
+
+}  // namespace detail
 
 StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
                                         torch::optim::Optimizer& optimizer) {
@@ -222,8 +239,8 @@ StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
 
 void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                    const StateDict& state, bool strict) {
-  load_full_optimizer(model, optimizer, detail::source_of(state), strict,
-                      "set_full_optimizer_state_dict");
+  detail::load_optimizer_state(model, optimizer, detail::source_of(state), strict,
+                               "set_full_optimizer_state_dict");
 }
 
 void save_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
@@ -238,8 +255,8 @@ void save_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Opti
 void load_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const std::string& path, bool strict) {
   detail::TorchSaveReader reader(path);
-  load_full_optimizer(model, optimizer, detail::source_of(reader), strict,
-                      "load_full_optimizer_checkpoint");
+  detail::load_optimizer_state(model, optimizer, detail::source_of(reader), strict,
+                               "load_full_optimizer_checkpoint");
 }
 
 }  // namespace hp

@@ -12,7 +12,7 @@ std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params() {
   for (const auto& state : all_states()) {
     ParamGroup& group = state->group();
     for (const auto& p : group.params()) {
-      found[p->variable().unsafeGetTensorImpl()] = {p.get(), group.comm().shard.get()};
+      found[p->variable().unsafeGetTensorImpl()] = {p.get(), &group.comm()};
     }
   }
   return found;

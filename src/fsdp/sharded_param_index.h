@@ -10,17 +10,14 @@
 #include <string>
 #include <vector>
 
-namespace hp {
-class Group;
-}
-
 namespace hp::detail {
 
 class FSDPParam;
+struct GroupComm;
 
 struct ShardedParam {
   FSDPParam* param;
-  const Group* shard_group;
+  const GroupComm* comm;  // the process groups of its fully_shard call
 };
 
 // Every sharded parameter of every live fully_shard state, by its variable's TensorImpl.

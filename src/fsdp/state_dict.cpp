@@ -12,7 +12,9 @@
 #include "checkpoint_sink.h"
 #include "fsdp_param.h"
 #include "full_tensor_source.h"
+#include "param_group.h"
 #include "sharded_param_index.h"
+#include "state_io.h"
 #include "torch_save_reader.h"
 #include "whole_value.h"
 
@@ -37,7 +39,7 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
     if (p.shard) {
       const detail::FSDPParam& param = *p.shard->param;
       visit(p.name,
-            detail::gather_whole(param, param.padded_shard(), *p.shard->shard_group).to(at::kCPU));
+            detail::gather_whole(param, param.padded_shard(), *p.shard->comm->shard).to(at::kCPU));
     } else {
       visit(p.name, p.variable.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
@@ -47,10 +49,12 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
   }
 }
 
-// Sets every parameter and buffer of `model` from `source`; each rank copies its own part
-// of each whole tensor, read one at a time.
-void load_full(torch::nn::Module& model, const detail::FullTensorSource& source, bool strict,
-               const std::string& caller) {
+}  // namespace
+
+namespace detail {
+
+void load_model_state(torch::nn::Module& model, const FullTensorSource& source, bool strict,
+                      const std::string& caller) {
   c10::NoGradGuard no_grad;
   const std::vector<detail::ModelParam> params = detail::model_params(model);
   std::set<std::string> used;
@@ -80,7 +84,11 @@ void load_full(torch::nn::Module& model, const detail::FullTensorSource& source,
     // A model made by deferred_init may be loaded instead of materialized: its tensors
     // then take their values from here.
     for (const auto& p : params) {
-      detail::set_whole_value(p.variable, source.read(p.name), p.shard ? &*p.shard : nullptr);
+      if (p.shard) {
+        detail::set_local_value(*p.shard, detail::read_local_part(source, p.name, *p.shard));
+      } else {
+        detail::set_whole_value(p.variable, source.read(p.name), nullptr);
+      }
     }
     for (const auto& item : model.named_buffers()) {
       detail::set_whole_value(item.value(), source.read(item.key()), nullptr);
@@ -91,7 +99,7 @@ void load_full(torch::nn::Module& model, const detail::FullTensorSource& source,
   }
 }
 
-}  // namespace
+}  // namespace detail
 
 StateDict get_full_state_dict(torch::nn::Module& model) {
   StateDict state;
@@ -102,7 +110,7 @@ StateDict get_full_state_dict(torch::nn::Module& model) {
 }
 
 void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool strict) {
-  load_full(model, detail::source_of(state), strict, "set_full_state_dict");
+  detail::load_model_state(model, detail::source_of(state), strict, "set_full_state_dict");
 }
 
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path) {
@@ -115,7 +123,7 @@ void save_full_checkpoint(torch::nn::Module& model, const std::string& path) {
 
 void load_full_checkpoint(torch::nn::Module& model, const std::string& path, bool strict) {
   detail::TorchSaveReader reader(path);
-  load_full(model, detail::source_of(reader), strict, "load_full_checkpoint");
+  detail::load_model_state(model, detail::source_of(reader), strict, "load_full_checkpoint");
 }
 
 }  // namespace hp

@@ -28,4 +28,9 @@ void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole, const Sh
   mark_materialized(tensor);
 }
 
+void set_local_value(const ShardedParam& shard, const at::Tensor& local) {
+  shard.param->load_local(local);
+  mark_materialized(shard.param->variable());
+}
+
 }  // namespace hp::detail

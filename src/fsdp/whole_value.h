@@ -15,4 +15,8 @@ namespace hp::detail {
 // any other tensor is copied into. A deferred tensor counts as materialized afterwards.
 void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole, const ShardedParam* shard);
 
+// A sharded parameter receives `local`, this rank's part of its whole value (shaped like
+// its local shard), in its shard; it counts as materialized afterwards.
+void set_local_value(const ShardedParam& shard, const at::Tensor& local);
+
 }  // namespace hp::detail

@@ -1,0 +1,69 @@
+#pragma once
+// Sharded checkpoints: every rank writes only the shards it holds, in parallel, and no
+// rank ever holds the whole model or optimizer state (torch.distributed.checkpoint's idea).
+// A checkpoint is a directory:
+//
+//   index.json              every tensor's dtype, whole shape and pieces (file, offsets
+//                           into the whole tensor, shape, CRC-32 of its bytes)
+//   rank-00000.safetensors  the pieces rank 0 wrote, one per tensor (safetensors format)
+//   rank-00001.safetensors  ...
+//   COMPLETE                written last: a directory without it is never loaded
+//
+// Tensors are named "model/<parameter or buffer name>", "optim/<parameter name>.<field>"
+// (the names of get_full_optimizer_state_dict) and "extra/<name>". HSDP replicas write one
+// copy of each shard (replicate rank 0); parameters kept whole (replicated, ignored) and
+// buffers are written by rank 0. Python reads a checkpoint with the `safetensors` package:
+// tools/sharded_checkpoint.py assembles whole tensors (or a torch.save file) from it.
+//
+// Saving is atomic: the files go to "<dir>.partial", are flushed to the disk, and the
+// directory is renamed to `dir` once every rank's file is complete; a crash at any point
+// leaves `dir` as it was (or, when replacing an existing `dir`, no `dir` at all) and never
+// a mixed checkpoint. Loading works on any mesh and world size: each rank reads only the
+// pieces that overlap its shards (whole pieces, so that their checksums are verified).
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <string>
+
+#include "hyperparallel/state_dict.h"
+
+namespace hp {
+
+// Writes `model`'s parameters and buffers, `optimizer`'s per-parameter state (Adam,
+// AdamW, SGD; none when null) and `extra` (small tensors the program keeps with the
+// checkpoint, e.g. its step, data position and RNG state; whole, written by rank 0) into
+// the directory `dir`, replacing a checkpoint already there. A collective over the ranks
+// of the model's fully_shard mesh (a model without fully_shard is saved by the calling
+// process alone); call it on every rank between steps. It returns once the checkpoint is
+// complete on disk, on every rank; when any rank fails to write, every rank throws
+// std::runtime_error naming the ranks that failed (each adds its own reason) and nothing
+// is saved.
+void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
+                             torch::optim::Optimizer* optimizer = nullptr,
+                             const StateDict& extra = StateDict());
+
+// Loads a checkpoint save_sharded_checkpoint wrote (on any mesh or world size) into
+// `model` and, when not null, `optimizer`, and returns its extra tensors. Names and
+// shapes are checked before any tensor is read (std::invalid_argument naming the
+// checkpoint and the entry; strict: every model and optimizer entry must be used). Every
+// piece read is checked against its CRC-32: a damaged one throws std::runtime_error
+// naming the file and the tensor. A collective like the save: when any rank fails, every
+// rank throws. Call it between steps, after fully_shard (also on a deferred model,
+// instead of materialize()).
+StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
+                                  torch::optim::Optimizer* optimizer = nullptr, bool strict = true);
+
+// Whether `dir` holds a complete sharded checkpoint (its COMPLETE marker is there).
+bool is_complete_checkpoint(const std::string& dir);
+
+// The complete checkpoint under `root` with the highest step, for resuming: among the
+// subdirectories named "step-<N>" (as checkpoint_dir_for_step makes them) that are
+// complete. Unset when there is none (or no `root`).
+std::optional<std::string> latest_checkpoint(const std::string& root);
+
+// "<root>/step-<step>", the step zero-padded to 8 digits so that names sort by step.
+std::string checkpoint_dir_for_step(const std::string& root, int64_t step);
+
+}  // namespace hp

@@ -1,0 +1,154 @@
+#include "checkpoint_index.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "../runtime/durable_files.h"
+#include "safetensors_file.h"
+
+namespace hp::detail {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kFormat = "hyperparallel sharded checkpoint";
+constexpr int kVersion = 1;
+
+int64_t volume(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t extent : shape) n *= extent;
+  return n;
+}
+
+// Whether two pieces share an element.
+bool overlap(const CheckpointPiece& a, const CheckpointPiece& b) {
+  for (size_t d = 0; d < a.offsets.size(); ++d) {
+    if (a.offsets[d] >= b.offsets[d] + b.shape[d] || b.offsets[d] >= a.offsets[d] + a.shape[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void check_covers(const std::string& name, const IndexedTensor& tensor) {
+  int64_t covered = 0;
+  for (size_t i = 0; i < tensor.pieces.size(); ++i) {
+    const CheckpointPiece& piece = tensor.pieces[i];
+    for (size_t d = 0; d < tensor.shape.size(); ++d) {
+      if (piece.offsets[d] < 0 || piece.offsets[d] + piece.shape[d] > tensor.shape[d]) {
+        throw std::runtime_error("tensor '" + name + "': the piece in " + piece.file +
+                                 " lies outside its whole shape");
+      }
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (overlap(piece, tensor.pieces[j])) {
+        throw std::runtime_error("tensor '" + name + "': the pieces in " + piece.file + " and " +
+                                 tensor.pieces[j].file + " overlap");
+      }
+    }
+    covered += volume(piece.shape);
+  }
+  if (covered != volume(tensor.shape)) {
+    throw std::runtime_error("tensor '" + name + "': its pieces cover " + std::to_string(covered) +
+                             " of its " + std::to_string(volume(tensor.shape)) + " elements");
+  }
+}
+
+}  // namespace
+
+std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces) {
+  json records = json::object();
+  for (const auto& [name, record] : pieces) {
+    records[name] = {
+        {"offsets", record.offsets}, {"whole_shape", record.whole_shape}, {"crc32", record.crc32}};
+  }
+  return records.dump();
+}
+
+CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::string>& files) {
+  CheckpointIndex index;
+  for (const auto& file : files) {
+    const SafetensorsReader reader(dir + "/" + file);
+    json records;
+    try {
+      auto it = reader.metadata().find(kPiecesMetadataKey);
+      records = it == reader.metadata().end() ? json::object() : json::parse(it->second);
+      for (const auto& [name, entry] : reader.entries()) {
+        const json& record = records.at(name);
+        const auto whole_shape = record.at("whole_shape").get<std::vector<int64_t>>();
+        auto [found, inserted] =
+            index.try_emplace(name, IndexedTensor{entry.dtype, whole_shape, {}});
+        if (found->second.dtype != entry.dtype || found->second.shape != whole_shape) {
+          throw std::runtime_error("tensor '" + name + "' has another dtype or whole shape in " +
+                                   file + " than in the files before");
+        }
+        found->second.pieces.push_back({file, record.at("offsets").get<std::vector<int64_t>>(),
+                                        entry.shape, record.at("crc32").get<std::string>()});
+      }
+    } catch (const json::exception& error) {
+      throw std::runtime_error(reader.path() + ": its piece records are malformed (" +
+                               error.what() + ")");
+    }
+  }
+  for (const auto& [name, tensor] : index) check_covers(name, tensor);
+  return index;
+}
+
+void write_index(const CheckpointIndex& index, const std::string& path) {
+  json tensors = json::object();
+  for (const auto& [name, tensor] : index) {
+    json pieces = json::array();
+    for (const auto& piece : tensor.pieces) {
+      pieces.push_back({{"file", piece.file},
+                        {"offsets", piece.offsets},
+                        {"shape", piece.shape},
+                        {"crc32", piece.crc32}});
+    }
+    tensors[name] = {{"dtype", safetensors_dtype_name(tensor.dtype)},
+                     {"shape", tensor.shape},
+                     {"pieces", std::move(pieces)}};
+  }
+  const std::string text =
+      json{{"format", kFormat}, {"version", kVersion}, {"tensors", std::move(tensors)}}.dump(1) +
+      "\n";
+  write_file_durably(path, text);
+}
+
+CheckpointIndex read_index(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
+  CheckpointIndex index;
+  try {
+    const json root = json::parse(in);
+    if (root.at("format") != kFormat || root.at("version") != kVersion) {
+      throw std::invalid_argument(path + " is not a version " + std::to_string(kVersion) +
+                                  " index of a hyperparallel sharded checkpoint");
+    }
+    for (const auto& [name, tensor] : root.at("tensors").items()) {
+      const std::optional<c10::ScalarType> dtype =
+          safetensors_dtype(tensor.at("dtype").get<std::string>());
+      if (!dtype)
+        throw std::invalid_argument(path + ": tensor '" + name + "' has an unknown dtype");
+      IndexedTensor entry{*dtype, tensor.at("shape").get<std::vector<int64_t>>(), {}};
+      for (const auto& piece : tensor.at("pieces")) {
+        entry.pieces.push_back(
+            {piece.at("file").get<std::string>(), piece.at("offsets").get<std::vector<int64_t>>(),
+             piece.at("shape").get<std::vector<int64_t>>(), piece.at("crc32").get<std::string>()});
+      }
+      index.emplace(name, std::move(entry));
+    }
+  } catch (const json::exception& error) {
+    throw std::invalid_argument(path + " is malformed: " + error.what());
+  }
+  return index;
+}
+
+}  // namespace hp::detail

@@ -1,0 +1,52 @@
+#pragma once
+// index.json of a sharded checkpoint: for every tensor its dtype, whole shape and the
+// pieces that cover it. Rank 0 builds it from the headers of the ranks' files after they
+// are written; every rank reads it to find the pieces it needs.
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace hp::detail {
+
+// A part of a whole tensor, stored in one file under the tensor's name.
+struct CheckpointPiece {
+  std::string file;              // relative to the checkpoint directory
+  std::vector<int64_t> offsets;  // where it starts in the whole tensor, per dimension
+  std::vector<int64_t> shape;
+  std::string crc32;  // of its bytes, 8 hex digits
+};
+
+struct IndexedTensor {
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;  // of the whole tensor
+  std::vector<CheckpointPiece> pieces;
+};
+
+using CheckpointIndex = std::map<std::string, IndexedTensor>;
+
+// What a rank's file says about each piece besides dtype and shape (the safetensors
+// header's "__metadata__" entry of this name, a JSON object by tensor name).
+inline constexpr const char* kPiecesMetadataKey = "hyperparallel.pieces";
+
+// The "__metadata__" value describing `pieces` (tensor name -> offsets, whole shape, CRC).
+struct PieceRecord {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> whole_shape;
+  std::string crc32;
+};
+std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces);
+
+// Reads the headers of `files` (in `dir`) and checks that the pieces of every tensor
+// cover it exactly once. Throws std::runtime_error naming the file or tensor otherwise.
+CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::string>& files);
+
+// index.json, written (and flushed to the disk) / read. Reading throws
+// std::invalid_argument naming the file when it is missing or malformed.
+void write_index(const CheckpointIndex& index, const std::string& path);
+CheckpointIndex read_index(const std::string& path);
+
+}  // namespace hp::detail

@@ -1,0 +1,263 @@
+// Sharded checkpoints: every rank writes only its shards; a checkpoint loads on any mesh
+// and world size into exactly the saved state (compared with the full state gathered
+// independently); Python reads it with safetensors; damaged, incomplete and unwritable
+// checkpoints are refused on every rank; a save killed at any point leaves a complete
+// earlier checkpoint, never a mixed one.
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "checkpoint_test_util.h"
+#include "cpu_memory_probe.h"
+#include "error_of.h"
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/sharded_checkpoint.h"
+#include "shared_dir.h"
+#include "stepped_checkpoint.h"
+
+namespace hp::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using models::Transformer;
+
+// Every 2-D weight sharded on its other dim: pieces saved on dim 0 are cut across.
+FullyShardOptions weights_on_dim_1() {
+  FullyShardOptions options;
+  options.shard_placement_fn = [](const std::string&,
+                                  const at::Tensor& param) -> std::optional<Placement> {
+    if (param.dim() == 2) return Placement::shard(1);
+    return std::nullopt;
+  };
+  return options;
+}
+
+// Saved on 2x2 HSDP (4 ranks), loaded on 3 ranks (1-D, weights sharded on dim 1) and on
+// one: model, optimizer state and extras equal what was saved, as the full checkpoint
+// functions gather it; Python assembles the same tensors from the files.
+HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
+  auto world = testing::world();
+  const std::string dir = shared_dir("hp_sharded_any_mesh");
+  const std::string checkpoint = checkpoint_dir_for_step(dir, 1);
+  if (world->size() == 4) {
+    FullyShardOptions hsdp;
+    hsdp.mesh = DeviceMesh(world, {{"dp_replicate", 2}, {"dp_shard", 2}});
+    Sharded<Transformer> saved = sharded_transformer(42, hsdp);
+    torch::optim::AdamW opt(saved->parameters(), torch::optim::AdamWOptions(1e-2));
+    train_one_step(saved, opt);
+    StateDict extra;
+    extra.insert("step", at::scalar_tensor(1, at::kLong));
+    extra.insert("data_position", torch::arange(6).reshape({2, 3}));
+    save_sharded_checkpoint(checkpoint, *saved, &opt, extra);
+    EXPECT_TRUE(is_complete_checkpoint(checkpoint));  // on every rank, once it returns
+    // The reference, by the independent gather path.
+    save_full_checkpoint(*saved, dir + "/expected_model.pt");
+    save_full_optimizer_checkpoint(*saved, opt, dir + "/expected_optim.pt");
+    // One copy of each shard: the second replica (ranks 2, 3) writes nothing, and the
+    // two halves of the model are about the same size.
+    const auto size_of = [&](int r) {
+      return fs::file_size(checkpoint + "/rank-0000" + std::to_string(r) + ".safetensors");
+    };
+    EXPECT_LT(size_of(2), 1024u);
+    EXPECT_LT(size_of(3), 1024u);
+    EXPECT_GT(size_of(1), size_of(0) * 8 / 10);
+    barrier(*world->world_group()).wait();  // rank 0 wrote the reference files
+    return;
+  }
+  Sharded<Transformer> loaded =
+      sharded_transformer(7, world->size() == 3 ? weights_on_dim_1() : FullyShardOptions{});
+  torch::optim::AdamW opt(loaded->parameters(), torch::optim::AdamWOptions(1e-2));
+  const StateDict extra = load_sharded_checkpoint(checkpoint, *loaded, &opt);
+  expect_equal_dicts(get_full_state_dict(*loaded),
+                     read_state_dict_file(dir + "/expected_model.pt"));
+  expect_equal_dicts(get_full_optimizer_state_dict(*loaded, opt),
+                     read_state_dict_file(dir + "/expected_optim.pt"));
+  ASSERT_EQ(extra.keys(), (std::vector<std::string>{"data_position", "step"}));
+  EXPECT_EQ(extra["step"].item<int64_t>(), 1);
+  EXPECT_TRUE(torch::equal(extra["data_position"], torch::arange(6).reshape({2, 3})));
+  if (world->size() == 1) {
+    const std::string script =
+        std::string("sys.path.insert(0, '") + HP_SOURCE_DIR +
+        "/tools')\n"
+        "import sharded_checkpoint\n"
+        "model = sharded_checkpoint.load('" +
+        checkpoint +
+        "', 'model/')\n"
+        "expected = torch.load('" +
+        dir +
+        "/expected_model.pt', weights_only=True)\n"
+        "assert model.keys() == expected.keys(), (model.keys(), expected.keys())\n"
+        "for name, tensor in expected.items():\n"
+        "    assert torch.equal(model[name], tensor), name\n";
+    EXPECT_TRUE(run_python(dir, script)) << "python3 has no torch: Python's reading untested";
+    fs::remove_all(dir);
+  }
+}
+
+// No rank gathers anything: saving holds no whole tensor, loading at most the pieces one
+// tensor's part overlaps, and each rank's file holds its half of the model and optimizer.
+HP_DIST_TEST(ShardedCheckpoint, EachRankWritesOnlyItsShards, 2) {
+  auto& probe = testing::CpuMemoryProbe::installed();
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  train_one_step(model, opt);
+  size_t largest = 0, whole_model = 0;
+  for (const at::Tensor& param : models::Transformer(checkpoint_config())->parameters()) {
+    largest = std::max(largest, param.nbytes());
+    whole_model += param.nbytes();
+  }
+  const std::string dir = shared_dir("hp_sharded_memory");
+  const std::string checkpoint = dir + "/checkpoint";
+  int64_t before = probe.live();
+  probe.reset_peak();
+  save_sharded_checkpoint(checkpoint, *model, &opt);
+  const int64_t save_peak = probe.peak_above(before);
+  before = probe.live();
+  probe.reset_peak();
+  load_sharded_checkpoint(checkpoint, *model, &opt);
+  const int64_t load_peak = probe.peak_above(before);
+  std::printf(
+      "rank %lld: whole model %lld bytes, largest tensor %lld; peak above start: save "
+      "%lld, load %lld\n",
+      static_cast<long long>(testing::world()->rank()), static_cast<long long>(whole_model),
+      static_cast<long long>(largest), static_cast<long long>(save_peak),
+      static_cast<long long>(load_peak));
+  // Saving copies nothing but the step counts; loading reads the piece a tensor's part
+  // lies in (half of it here) and, for optimizer state, the copy that becomes the state.
+  EXPECT_LE(save_peak, 4096);
+  EXPECT_LE(load_peak, static_cast<int64_t>(largest) + 4096);
+  // Model + AdamW state: 3x the model over 2 ranks.
+  const auto file_size = fs::file_size(checkpoint + "/rank-0000" +
+                                       std::to_string(testing::world()->rank()) + ".safetensors");
+  EXPECT_GT(file_size, static_cast<uintmax_t>(whole_model * 3 / 2 * 9 / 10));
+  EXPECT_LT(file_size, static_cast<uintmax_t>(whole_model * 3 / 2 * 11 / 10));
+  remove_after_all_ranks(dir);
+}
+
+// Flips one byte of a tensor's data in `file`, `from_end` bytes before its end.
+void flip_byte(const std::string& file, std::streamoff from_end) {
+  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+  stream.seekg(-from_end, std::ios::end);
+  char byte = 0;
+  stream.read(&byte, 1);
+  stream.seekp(-from_end, std::ios::end);
+  byte = static_cast<char>(byte ^ 0x40);
+  stream.write(&byte, 1);
+}
+
+// A damaged piece: the rank that reads it names the file and the tensor, the other rank
+// names that rank. A directory without its COMPLETE marker and an unwritable place are
+// refused on every rank; latest_checkpoint passes over incomplete checkpoints.
+HP_DIST_TEST(ShardedCheckpoint, DamagedIncompleteAndUnwritableAreRefused, 2) {
+  auto world = testing::world();
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  train_one_step(model, opt);
+  const std::string dir = shared_dir("hp_sharded_damaged");
+  const std::string first = checkpoint_dir_for_step(dir, 1);
+  const std::string second = checkpoint_dir_for_step(dir, 2);
+  save_sharded_checkpoint(first, *model, &opt);
+  save_sharded_checkpoint(second, *model, &opt);
+  EXPECT_EQ(latest_checkpoint(dir), second);
+
+  if (world->rank() == 0) flip_byte(second + "/rank-00001.safetensors", 3);
+  barrier(*world->world_group()).wait();
+  const std::string damaged = error_of([&] { load_sharded_checkpoint(second, *model, &opt); });
+  if (world->rank() == 1) {
+    EXPECT_TRUE(contains(damaged, second + "/rank-00001.safetensors")) << damaged;
+    EXPECT_TRUE(contains(damaged, "is damaged")) << damaged;
+    EXPECT_TRUE(contains(damaged, "tensor 'optim/")) << damaged;  // the last tensor written
+  } else {
+    EXPECT_TRUE(contains(damaged, "failed on rank(s) 1")) << damaged;
+  }
+
+  barrier(*world->world_group()).wait();
+  if (world->rank() == 0) fs::remove(second + "/COMPLETE");
+  barrier(*world->world_group()).wait();
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  EXPECT_TRUE(contains(error_of([&] { load_sharded_checkpoint(second, *model, &opt); }),
+                       "is not a complete sharded checkpoint"));
+  EXPECT_EQ(error_of([&] { load_sharded_checkpoint(first, *model, &opt); }), "no error");
+
+  // A path below a regular file: rank 0 cannot make the directory.
+  std::ofstream(dir + "/a_file") << "x";
+  barrier(*world->world_group()).wait();
+  const std::string unwritable = dir + "/a_file/checkpoint";
+  const std::string refused = error_of([&] { save_sharded_checkpoint(unwritable, *model, &opt); });
+  EXPECT_TRUE(
+      contains(refused, world->rank() == 0 ? "a_file/checkpoint.partial" : "failed on rank(s) 0"))
+      << refused;
+  EXPECT_FALSE(is_complete_checkpoint(unwritable));
+  remove_after_all_ranks(dir);
+}
+
+// Whether a save left a directory behind (".partial" or ".old", removed by the next save
+// to that name) that was written to after `since`.
+bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string name = entry.path().filename().string();
+    if ((name.ends_with(".partial") || name.ends_with(".old")) &&
+        fs::last_write_time(entry.path()) >= since) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A process saving one checkpoint after the other is killed (SIGKILL) at 20 random
+// moments: the newest complete checkpoint always loads, whole and from one step.
+TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
+  const fs::path root = fs::temp_directory_path() / ("hp_sharded_kill_" + std::to_string(getpid()));
+  fs::remove_all(root);
+  torch::nn::Sequential model = stepped_model();
+  save_step(model, root.string(), 1);
+  std::mt19937 random(2026);
+  int interrupted = 0;
+  for (int kill_number = 0; kill_number < 20; ++kill_number) {
+    const std::optional<std::string> before = latest_checkpoint(root.string());
+    const fs::file_time_type started = fs::file_time_type::clock::now();
+    ASSERT_TRUE(before.has_value());
+    const int64_t next = std::stoll(fs::path(*before).filename().string().substr(5)) + 1;
+    // A fresh process: a forked child of this multithreaded one could deadlock.
+    const std::string first_step = std::to_string(next);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      execl(HP_SAVER_PATH, HP_SAVER_PATH, root.c_str(), first_step.c_str(), nullptr);
+      _exit(127);
+    }
+    // Killed once it saves (LibTorch takes a while to load), at a random moment after.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (latest_checkpoint(root.string()) == before) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the saver saves nothing";
+      usleep(1000);
+    }
+    usleep(std::uniform_int_distribution<useconds_t>(0, 100000)(random));
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    interrupted += save_interrupted_since(root, started);
+
+    const std::optional<std::string> latest = latest_checkpoint(root.string());
+    ASSERT_TRUE(latest.has_value()) << "kill " << kill_number << " left no complete checkpoint";
+    torch::nn::Sequential loaded = stepped_model();
+    const StateDict extra = load_sharded_checkpoint(*latest, *loaded);
+    const int64_t step = extra["step"].item<int64_t>();
+    EXPECT_EQ(*latest, checkpoint_dir_for_step(root.string(), step));
+    for (const auto& param : loaded->parameters()) {
+      EXPECT_TRUE(torch::all(param == static_cast<double>(step)).item<bool>())
+          << *latest << " mixes steps";
+    }
+  }
+  std::printf("kills that interrupted a save: %d of 20\n", interrupted);
+  EXPECT_GT(interrupted, 0) << "no kill landed inside a save: the test proved nothing";
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace hp::testing
