@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -30,6 +31,7 @@
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
+#include "hyperparallel/sharded_checkpoint.h"
 #include "hyperparallel/state_dict.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
@@ -62,10 +64,21 @@ constexpr const char* kUsage =
     "  --checkpoint none|reentrant|non-reentrant\n"
     "                   activation checkpointing of every decoder block (none)\n"
     "  --seed N         model initialization and data (0)\n"
-    "  --save DIR       at the end, write DIR/model.pt and DIR/optim.pt (whole tensors,\n"
+    "  --save DIR       write sharded checkpoints (model, optimizer, step, RNG, losses) as\n"
+    "                   DIR/step-<N>, every rank its own shards; at the end, and every\n"
+    "                   --save-every steps\n"
+    "  --save-every N   also save after every N-th step (0: only at the end) (0)\n"
+    "  --resume auto|PATH\n"
+    "                   auto: continue from the newest complete checkpoint under --save DIR\n"
+    "                   (a fresh start when there is none); PATH: from that sharded\n"
+    "                   checkpoint, or from an --export directory (any --mesh). --steps is\n"
+    "                   the total: a resumed run ends where an uninterrupted one would,\n"
+    "                   with the same parameters bit for bit\n"
+    "  --export DIR     at the end, write DIR/model.pt and DIR/optim.pt (whole tensors,\n"
     "                   readable by Python's torch.load)\n"
-    "  --resume DIR     start from DIR/model.pt and DIR/optim.pt (any --mesh); exits 0 if\n"
-    "                   the loss did not rise\n"
+    "  --fail-at-step N fault injection for restart tests: the last rank exits with an\n"
+    "                   error before step N, in the first attempt only (hp-run and torchrun\n"
+    "                   set TORCHELASTIC_RESTART_COUNT on restarts)\n"
     "  --trace DIR      record step 3 of every rank as DIR/trace_rank<R>.json (Chrome trace)\n"
     "                   and DIR/timeline_rank<R>.svg\n"
     "  -h, --help       show this help\n";
@@ -90,9 +103,12 @@ struct Options {
   bool comm_fusion = false;
   std::optional<hp::CheckpointImpl> checkpoint;
   int64_t seed = 0;
-  std::string save_dir;    // empty: no checkpoint written
-  std::string resume_dir;  // empty: fresh start
-  std::string trace_dir;   // empty: no trace
+  std::string save_dir;      // empty: no checkpoint written
+  int64_t save_every = 0;    // 0: only at the end
+  std::string resume;        // empty: fresh start; "auto" or a checkpoint
+  std::string export_dir;    // empty: no full export
+  int64_t fail_at_step = 0;  // 0: never
+  std::string trace_dir;     // empty: no trace
   bool help = false;
 };
 
@@ -196,8 +212,14 @@ Options parse_args(int argc, char** argv) {
       }
     } else if (arg == "--save") {
       o.save_dir = value();
+    } else if (arg == "--save-every") {
+      o.save_every = parse_int(arg, value(), 0, 1'000'000);
     } else if (arg == "--resume") {
-      o.resume_dir = value();
+      o.resume = value();
+    } else if (arg == "--export") {
+      o.export_dir = value();
+    } else if (arg == "--fail-at-step") {
+      o.fail_at_step = parse_int(arg, value(), 1, 1'000'000);
     } else if (arg == "--trace") {
       o.trace_dir = std::string(value());
     } else if (arg == "--seed") {
@@ -207,6 +229,12 @@ Options parse_args(int argc, char** argv) {
     }
   }
   if (o.seq % 2 != 0) throw UsageError("--seq must be even, got " + std::to_string(o.seq));
+  if (o.resume == "auto" && o.save_dir.empty()) {
+    throw UsageError("--resume auto needs --save DIR (the checkpoints it looks for)");
+  }
+  if (o.save_every > 0 && o.save_dir.empty()) {
+    throw UsageError("--save-every needs --save DIR");
+  }
   if (o.dim % o.heads != 0) {
     throw UsageError("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
                      std::to_string(o.dim) + ")");
@@ -259,6 +287,65 @@ int64_t numel_of(const std::vector<at::Tensor>& params) {
   return n;
 }
 
+// Fails before training, on every rank, when rank 0 cannot write into `dir` (a write
+// error at the first save would waste the steps before it).
+void check_writable(const std::string& flag, const std::string& dir, int64_t rank,
+                    const hp::Group& all) {
+  std::string problem;
+  if (rank == 0) {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    const std::string probe = dir + "/.write-test";
+    if (error) {
+      problem = error.message();
+    } else if (!(std::ofstream(probe) << "x")) {
+      problem = "cannot create files in it";
+    }
+    std::filesystem::remove(probe, error);
+  }
+  at::Tensor failed = torch::full({1}, problem.empty() ? 0 : 1, torch::kInt);
+  hp::all_reduce(failed, hp::ReduceOp::kMax, all).wait();
+  if (failed.item<int>() != 0) {
+    throw UsageError(flag + " " + dir + ": rank 0 cannot write there" +
+                     (problem.empty() ? "" : " (" + problem + ")") + "; pick a writable directory");
+  }
+}
+
+// What a resumed run needs besides the model and the optimizer, saved with them: the
+// steps taken, every rank's random generator state and the losses so far (so that its
+// summary is the uninterrupted run's).
+hp::StateDict run_state(int64_t step, const std::vector<double>& losses,
+                        const std::vector<double>& accuracies, const hp::Group& all,
+                        int64_t ranks) {
+  at::Tensor rng;
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    rng = generator.get_state();
+  }
+  at::Tensor every_rng = torch::empty({ranks * rng.numel()}, rng.options());
+  hp::all_gather(every_rng, rng, all).wait();
+  hp::StateDict state;
+  state.insert("step", at::scalar_tensor(step, at::kLong));
+  state.insert("rng_states", every_rng.view({ranks, rng.numel()}));
+  state.insert("losses", torch::tensor(losses, torch::kDouble));
+  state.insert("accuracies", torch::tensor(accuracies, torch::kDouble));
+  return state;
+}
+
+std::vector<double> to_vector(const at::Tensor& values) {
+  const at::Tensor contiguous = values.to(at::kDouble).contiguous();
+  return {contiguous.data_ptr<double>(), contiguous.data_ptr<double>() + contiguous.numel()};
+}
+
+// This rank's generator state from a checkpoint; saved on another number of ranks, rank r
+// takes row r modulo theirs.
+void restore_rng(const at::Tensor& states, int64_t rank) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(states[rank % states.size(0)].clone());
+}
+
 int train(const Options& o) {
   std::shared_ptr<hp::World> world = hp::default_world();
   const hp::Group& all = *world->world_group();
@@ -301,7 +388,18 @@ int train(const Options& o) {
   options.comm_fusion = o.comm_fusion;
   for (auto& layer : model->layers) hp::fully_shard(layer, options);
   hp::fully_shard(model, options);
-  if (o.resume_dir.empty()) hp::materialize(*model);  // a resumed run loads its values below
+  if (!o.save_dir.empty()) check_writable("--save", o.save_dir, rank, all);
+  if (!o.export_dir.empty()) check_writable("--export", o.export_dir, rank, all);
+  std::string resume_from;  // empty: a fresh start
+  if (o.resume == "auto") {
+    resume_from = hp::latest_checkpoint(o.save_dir).value_or("");
+    if (resume_from.empty() && rank == 0) {
+      std::printf("no complete checkpoint under %s: starting fresh\n", o.save_dir.c_str());
+    }
+  } else {
+    resume_from = o.resume;
+  }
+  if (resume_from.empty()) hp::materialize(*model);  // a resumed run loads its values below
   const int64_t local_params = numel_of(model->parameters());
   const std::string mesh_text = o.replicate == 1
                                     ? "dp_shard=" + std::to_string(o.shard) + " (FSDP)"
@@ -332,33 +430,62 @@ int train(const Options& o) {
 
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
   // Steps already taken: data batches continue where the checkpoint left off.
-  int64_t resumed_steps = 0;
-  if (!o.resume_dir.empty()) {
-    // Both stream: one tensor read at a time, each rank keeps its part.
-    hp::load_full_checkpoint(*model, o.resume_dir + "/model.pt");
-    hp::load_full_optimizer_checkpoint(*model, optimizer, o.resume_dir + "/optim.pt");
-    // AdamW counts steps per parameter; any parameter's count is the run's.
-    auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
-    if (state != optimizer.state().end()) {
-      resumed_steps = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
+  int64_t done = 0;
+  std::vector<double> losses, accuracies;
+  // Resumed with the losses so far: the summary and its pass criterion are the
+  // uninterrupted run's.
+  bool whole_history = true;
+  if (!resume_from.empty()) {
+    if (hp::is_complete_checkpoint(resume_from)) {
+      // Each rank reads only the pieces its shards need.
+      const hp::StateDict state = hp::load_sharded_checkpoint(resume_from, *model, &optimizer);
+      done = state["step"].item<int64_t>();
+      losses = to_vector(state["losses"]);
+      accuracies = to_vector(state["accuracies"]);
+      restore_rng(state["rng_states"], rank);
+    } else if (std::filesystem::exists(resume_from + "/model.pt")) {
+      // An --export: both files stream, one tensor read at a time.
+      hp::load_full_checkpoint(*model, resume_from + "/model.pt");
+      hp::load_full_optimizer_checkpoint(*model, optimizer, resume_from + "/optim.pt");
+      // AdamW counts steps per parameter; any parameter's count is the run's.
+      auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
+      if (state != optimizer.state().end()) {
+        done = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
+      }
+      whole_history = false;
+    } else {
+      throw UsageError("--resume " + resume_from +
+                       ": neither a complete sharded checkpoint (no COMPLETE marker) nor an "
+                       "--export directory (no model.pt)");
     }
     if (rank == 0) {
-      std::printf("resumed from %s after %lld steps\n\n", o.resume_dir.c_str(),
-                  static_cast<long long>(resumed_steps));
+      std::printf("resumed from %s after %lld steps\n\n", resume_from.c_str(),
+                  static_cast<long long>(done));
     }
   }
+  const auto save = [&](int64_t step) {
+    const std::string dir = hp::checkpoint_dir_for_step(o.save_dir, step);
+    hp::save_sharded_checkpoint(dir, *model, &optimizer,
+                                run_state(step, losses, accuracies, all, ranks));
+    if (rank == 0) std::printf("saved %s\n", dir.c_str());
+  };
+  const char* restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const bool first_attempt = restart_count == nullptr || std::string_view(restart_count) == "0";
   const bool tty = isatty(STDOUT_FILENO) == 1;
   const int64_t print_every = tty ? 1 : std::max<int64_t>(1, o.steps / 20);
   const int64_t tokens_per_step = o.batch * (o.seq - 1);
-  std::vector<double> losses, accuracies;
   const auto start = Clock::now();
   auto last_report = start;
-  int64_t last_report_step = 0;
+  int64_t last_report_step = done;
 
-  for (int64_t step = 1; step <= o.steps; ++step) {
-    Batch batch = make_batch(o, resumed_steps + step, rank, ranks);
+  for (int64_t step = done + 1; step <= o.steps; ++step) {
+    if (step == o.fail_at_step && first_attempt && rank == ranks - 1) {
+      throw std::runtime_error("--fail-at-step " + std::to_string(step) +
+                               ": failing on purpose (fault injection)");
+    }
+    Batch batch = make_batch(o, step, rank, ranks);
     // Step 3: the implicit prefetch order is known and warm-up allocations are done.
-    const bool traced = !o.trace_dir.empty() && step == 3;
+    const bool traced = !o.trace_dir.empty() && step == done + 3;
     if (traced) hp::trace::start();
     optimizer.zero_grad();
     at::Tensor logits = predictable(model(batch.input), o.seq).to(at::kFloat);
@@ -382,6 +509,7 @@ int train(const Options& o) {
     hp::all_gather(all_rss, rss, all).wait();
     losses.push_back(stats[0].item<double>());
     accuracies.push_back(stats[1].item<double>());
+    if (o.save_every > 0 && step % o.save_every == 0 && step != o.steps) save(step);
 
     if (rank != 0 || (step % print_every != 0 && step != o.steps)) continue;
     const auto now = Clock::now();
@@ -409,14 +537,21 @@ int train(const Options& o) {
     std::fflush(stdout);
   }
 
-  if (!o.save_dir.empty()) {
+  if (!o.save_dir.empty()) save(o.steps);
+  if (!o.export_dir.empty()) {
     // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
-    if (rank == 0) std::filesystem::create_directories(o.save_dir);
-    hp::save_full_checkpoint(*model, o.save_dir + "/model.pt");
-    hp::save_full_optimizer_checkpoint(*model, optimizer, o.save_dir + "/optim.pt");
+    hp::save_full_checkpoint(*model, o.export_dir + "/model.pt");
+    hp::save_full_optimizer_checkpoint(*model, optimizer, o.export_dir + "/optim.pt");
     if (rank == 0) {
-      std::printf("\nsaved %s/model.pt and %s/optim.pt\n", o.save_dir.c_str(), o.save_dir.c_str());
+      std::printf("exported %s/model.pt and %s/optim.pt\n", o.export_dir.c_str(),
+                  o.export_dir.c_str());
     }
+  }
+  if (losses.empty()) {
+    if (rank == 0)
+      std::printf("nothing to train: the run was at step %lld already\n",
+                  static_cast<long long>(done));
+    return 0;
   }
 
   // The last steps' mean: one step's loss on a fresh batch is noisy.
@@ -429,15 +564,15 @@ int train(const Options& o) {
   const double first = losses.front(), final_loss = tail_mean(losses);
   const double final_acc = tail_mean(accuracies);
   // A resumed run may start converged already: it must not get worse.
-  const bool learned = o.resume_dir.empty() ? final_loss < 0.5 * first : final_loss <= first;
+  const bool learned = whole_history ? final_loss < 0.5 * first : final_loss <= first;
   if (rank == 0) {
     const double total = std::chrono::duration<double>(Clock::now() - start).count();
     std::printf(
         "\nloss %.4f -> %.4f (mean of the last %zu steps), accuracy %.1f%% (chance "
         "%.1f%%), %lld steps in %.1f s\n",
-        first, final_loss, tail, 100 * final_acc, 100.0 / o.vocab, static_cast<long long>(o.steps),
-        total);
-    if (!o.resume_dir.empty()) {
+        first, final_loss, tail, 100 * final_acc, 100.0 / o.vocab,
+        static_cast<long long>(o.steps - done), total);
+    if (!whole_history) {
       std::printf(learned ? "OK: the loss did not rise after resuming\n"
                           : "FAILED: the loss rose after resuming\n");
     } else if (learned) {

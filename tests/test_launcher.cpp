@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "hyperparallel/launcher.h"
+#include "program_run.h"
 
 #ifndef HP_RUN_PATH
 #error "HP_RUN_PATH must name the hp-run executable"
@@ -126,24 +127,11 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-struct ProgramRun {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
+using hp::testing::ProgramRun;
 
 // Runs hp-run with `args` (a shell fragment) through /bin/sh.
 ProgramRun run_hp_run(const std::string& args) {
-  const std::string command = std::string("'") + HP_RUN_PATH + "' " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("popen failed");
-  ProgramRun run;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) {
-    run.output.append(buffer, n);
-  }
-  const int status = pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return run;
+  return hp::testing::run_program(std::string("'") + HP_RUN_PATH + "' " + args);
 }
 
 std::string what_of(const hp::LaunchOptions& options) {
@@ -419,9 +407,31 @@ TEST(HpRun, TimeoutExitsWith124) {
       << run.output;
 }
 
+// Rank 1 fails in the first two attempts (rank 0 waits and is stopped); every rank of the
+// third succeeds. Each attempt sees its number as under torchrun.
+TEST(HpRun, MaxRestartsStartsAllRanksAgain) {
+  const std::string script =
+      "-- sh -c 'echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; "
+      "if [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then [ $RANK = 1 ] && exit 3; sleep 30; fi; "
+      "echo \"done $RANK\"'";
+  const ProgramRun restarted = run_hp_run("-n 2 --max-restarts 2 " + script);
+  EXPECT_EQ(restarted.exit_code, 0) << restarted.output;
+  for (const char* line :
+       {"[rank 1] attempt 0 of 2", "hp-run: rank 1 exited with code 3",
+        "hp-run: restarting all 2 ranks (restart 1 of 2)", "[rank 1] attempt 1 of 2",
+        "(restart 2 of 2)", "[rank 0] attempt 2 of 2", "[rank 0] done 0", "[rank 1] done 1"}) {
+    EXPECT_NE(restarted.output.find(line), std::string::npos) << line << "\n" << restarted.output;
+  }
+  const ProgramRun gave_up = run_hp_run("-n 2 --max-restarts 1 " + script);
+  EXPECT_EQ(gave_up.exit_code, 3) << gave_up.output;
+  EXPECT_NE(gave_up.output.find("(restart 1 of 1)"), std::string::npos) << gave_up.output;
+  EXPECT_EQ(gave_up.output.find("done"), std::string::npos) << gave_up.output;
+}
+
 TEST(HpRun, BadFlagsGiveUsageErrors) {
-  for (const char* args : {"--bogus -- true", "-n 0 -- true", "-n two -- true", "-n 2",
-                           "--timeout -1 -- true", "--master-port 70000 -- true", "-n"}) {
+  for (const char* args :
+       {"--bogus -- true", "-n 0 -- true", "-n two -- true", "-n 2", "--max-restarts -1 -- true",
+        "--timeout -1 -- true", "--master-port 70000 -- true", "-n"}) {
     const ProgramRun run = run_hp_run(args);
     EXPECT_EQ(run.exit_code, 2) << args << "\n" << run.output;
     EXPECT_NE(run.output.find("usage: hp-run"), std::string::npos) << args << "\n" << run.output;

@@ -1,5 +1,6 @@
 // hp-run: starts N local ranks of a program with a torchrun-compatible environment and
-// stops all of them as soon as one fails (see hyperparallel/launcher.h).
+// stops all of them as soon as one fails (see hyperparallel/launcher.h); with
+// --max-restarts, starts all of them again after a failure.
 
 #include <algorithm>
 #include <charconv>
@@ -18,8 +19,8 @@ namespace {
 constexpr int kUsageExit = 2;
 
 constexpr const char* kUsageLine =
-    "usage: hp-run [-n N] [--timeout SECONDS] [--master-addr ADDR] [--master-port PORT] "
-    "[--] PROGRAM [ARGS...]\n";
+    "usage: hp-run [-n N] [--max-restarts N] [--timeout SECONDS] [--master-addr ADDR] "
+    "[--master-port PORT] [--] PROGRAM [ARGS...]\n";
 
 constexpr const char* kHelp =
     "\n"
@@ -29,7 +30,12 @@ constexpr const char* kHelp =
     "\n"
     "options:\n"
     "  -n, --nproc-per-node N  number of ranks (default 1)\n"
-    "  --timeout SECONDS       kill all ranks after this long (default 0: no limit)\n"
+    "  --max-restarts N        after a rank fails, stop the others and start all ranks\n"
+    "                          again, up to N times (default 0); each attempt sees\n"
+    "                          TORCHELASTIC_RESTART_COUNT (0, 1, ...) as under torchrun, so\n"
+    "                          a program can resume from its newest checkpoint\n"
+    "  --timeout SECONDS       kill all ranks after this long, per attempt; a timeout is\n"
+    "                          not restarted (default 0: no limit)\n"
     "  --master-addr ADDR      rendezvous address (default 127.0.0.1)\n"
     "  --master-port PORT      rendezvous port (default: a free port)\n"
     "  -h, --help              show this help\n"
@@ -43,6 +49,7 @@ struct UsageError : std::runtime_error {
 
 struct Args {
   hp::LaunchOptions options;
+  int max_restarts = 0;
   double timeout_s = 0;
   bool help = false;
 };
@@ -103,6 +110,8 @@ Args parse_args(int argc, char** argv) {
       args.help = true;
     } else if (name == "-n" || name == "--nproc-per-node") {
       args.options.nprocs = parse_int(name, value(), 1, 1 << 16);
+    } else if (name == "--max-restarts") {
+      args.max_restarts = parse_int(name, value(), 0, 1 << 16);
     } else if (name == "--timeout") {
       args.timeout_s = parse_seconds(name, value());
     } else if (name == "--master-addr") {
@@ -155,9 +164,17 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    const hp::LaunchResult result = hp::launch_local(args.options);
-    report_failure(result, args.timeout_s);
-    return result.exit_code;
+    args.options.extra_env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(args.max_restarts);
+    for (int restart = 0;; ++restart) {
+      args.options.extra_env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart);
+      const hp::LaunchResult result = hp::launch_local(args.options);
+      report_failure(result, args.timeout_s);
+      if (result.exit_code == 0 || result.timed_out || restart == args.max_restarts) {
+        return result.exit_code;
+      }
+      std::fprintf(stderr, "hp-run: restarting all %d ranks (restart %d of %d)\n",
+                   args.options.nprocs, restart + 1, args.max_restarts);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hp-run: %s\n", e.what());
     return 1;
