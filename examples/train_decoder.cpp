@@ -542,6 +542,9 @@ int train(const Options& o) {
     // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
     hp::save_full_checkpoint(*model, o.export_dir + "/model.pt");
     hp::save_full_optimizer_checkpoint(*model, optimizer, o.export_dir + "/optim.pt");
+    // The others wait for rank 0's files: a rank that exits first could have the launcher
+    // stop rank 0 mid-write.
+    hp::barrier(all).wait();
     if (rank == 0) {
       std::printf("exported %s/model.pt and %s/optim.pt\n", o.export_dir.c_str(),
                   o.export_dir.c_str());
