@@ -15,8 +15,13 @@ build:
 	$(RUN) cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	$(RUN) cmake --build $(BUILD) -j $(JOBS)
 
+# The demo's corpus: this repository's own docs and sources (validation: each file's end).
+DEMO_DATA := --data README.md --data docs --data src --data include --data models \
+             --data examples --data tests
+
 demo: build
-	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_ARGS)
+	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_DATA) \
+	    --out $(BUILD)/demo $(DEMO_ARGS)
 
 test: build
 	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)

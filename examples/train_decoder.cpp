@@ -1,15 +1,13 @@
-// Trains the decoder-only transformer of models/transformer.h with fully_shard (HSDP on
-// a 2x2 mesh by default) on a synthetic copy task: the second half of every sequence
-// repeats the first half, so those next tokens are predictable only by attending back
-// half a sequence. Loss and accuracy count the predictable positions only; chance
-// accuracy is 1/vocab. Exits 0 only if the loss fell below half its first value.
-//   hp-run -n 4 -- build/examples/train_decoder [--steps N] [--mesh RxS] ... (--help)
+// Trains a byte-level decoder-only transformer (models/transformer.h) with fully_shard
+// (HSDP on a 2x2 mesh by default) on text files: training loss and throughput as it goes,
+// validation loss and perplexity every so often, a generated sample at the end. Exits 0
+// only if the final validation loss is below the corpus's unigram baseline.
+//   hp-run -n 4 -- build/examples/train_decoder --data docs [options] (--help)
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -25,7 +24,11 @@
 #include <thread>
 #include <vector>
 
-#include "hyperparallel/checkpoint.h"
+#include "examples/trainer/loss_curve.h"
+#include "examples/trainer/metrics_log.h"
+#include "examples/trainer/text_batches.h"
+#include "examples/trainer/text_corpus.h"
+#include "examples/trainer/train_options.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
@@ -39,78 +42,13 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-constexpr const char* kUsage =
-    "usage: hp-run -n 4 -- train_decoder [options]\n"
-    "\n"
-    "Trains a small decoder-only transformer with fully_shard on a copy task (the second\n"
-    "half of each sequence repeats the first). Exits 0 if the loss fell below half of its\n"
-    "first value, 1 otherwise.\n"
-    "\n"
-    "options:\n"
-    "  --steps N        optimizer steps (default 300)\n"
-    "  --batch N        global batch in sequences, divisible by the number of ranks (32)\n"
-    "  --seq N          sequence length, even, >= 4 (32)\n"
-    "  --dim N          model width (64)\n"
-    "  --layers N       decoder blocks (2)\n"
-    "  --heads N        attention heads, must divide --dim (4)\n"
-    "  --vocab N        vocabulary size, >= 2 (64)\n"
-    "  --lr X           AdamW learning rate (3e-3)\n"
-    "  --clip-grad X    clip the gradients to global norm X before each step; 0: off (1.0)\n"
-    "  --mesh RxS       R replicas x S shards = number of ranks; R=1 is plain FSDP (2x2)\n"
-    "  --mp none|bf16   bf16: parameters gathered and used in bf16, gradients reduced in\n"
-    "                   fp32 (none)\n"
-    "  --comm-fusion    one all-gather / reduce-scatter per module instead of per parameter\n"
-    "  --checkpoint none|reentrant|non-reentrant\n"
-    "                   activation checkpointing of every decoder block (none)\n"
-    "  --seed N         model initialization and data (0)\n"
-    "  --save DIR       write sharded checkpoints (model, optimizer, step, RNG, losses) as\n"
-    "                   DIR/step-<N>, every rank its own shards; at the end, and every\n"
-    "                   --save-every steps\n"
-    "  --save-every N   also save after every N-th step (0: only at the end) (0)\n"
-    "  --resume auto|PATH\n"
-    "                   auto: continue from the newest complete checkpoint under --save DIR\n"
-    "                   (a fresh start when there is none); PATH: from that sharded\n"
-    "                   checkpoint, or from an --export directory (any --mesh). --steps is\n"
-    "                   the total: a resumed run ends where an uninterrupted one would,\n"
-    "                   with the same parameters bit for bit\n"
-    "  --export DIR     at the end, write DIR/model.pt and DIR/optim.pt (whole tensors,\n"
-    "                   readable by Python's torch.load)\n"
-    "  --fail-at-step N fault injection for restart tests: the last rank exits with an\n"
-    "                   error before step N, in the first attempt only (hp-run and torchrun\n"
-    "                   set TORCHELASTIC_RESTART_COUNT on restarts)\n"
-    "  --trace DIR      record step 3 of every rank as DIR/trace_rank<R>.json (Chrome trace)\n"
-    "                   and DIR/timeline_rank<R>.svg\n"
-    "  -h, --help       show this help\n";
+using hp::trainer::TrainOptions;
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct Options {
-  int64_t steps = 300;
-  int64_t batch = 32;
-  int64_t seq = 32;
-  int64_t dim = 64;
-  int64_t layers = 2;
-  int64_t heads = 4;
-  int64_t vocab = 64;
-  double lr = 3e-3;
-  double clip_grad = 1.0;  // 0: no clipping
-  int64_t replicate = 2;
-  int64_t shard = 2;
-  bool bf16 = false;
-  bool comm_fusion = false;
-  std::optional<hp::CheckpointImpl> checkpoint;
-  int64_t seed = 0;
-  std::string save_dir;      // empty: no checkpoint written
-  int64_t save_every = 0;    // 0: only at the end
-  std::string resume;        // empty: fresh start; "auto" or a checkpoint
-  std::string export_dir;    // empty: no full export
-  int64_t fail_at_step = 0;  // 0: never
-  std::string trace_dir;     // empty: no trace
-  bool help = false;
-};
+constexpr int64_t kVocab = 256;  // bytes
 
 void write_trace(const std::string& dir, int64_t rank,
                  const std::vector<hp::trace::Event>& events) {
@@ -119,172 +57,6 @@ void write_trace(const std::string& dir, int64_t rank,
   std::ofstream(dir + "/trace" + suffix + ".json") << hp::trace::to_chrome_json(events, rank);
   std::ofstream(dir + "/timeline" + suffix + ".svg") << hp::trace::to_svg(
       events, "train_decoder, one training step, rank " + std::to_string(rank));
-}
-
-int64_t parse_int(std::string_view flag, std::string_view text, int64_t min, int64_t max) {
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < min || value > max) {
-    throw UsageError(std::string(flag) + " needs an integer in " + std::to_string(min) + ".." +
-                     std::to_string(max) + ", got '" + std::string(text) + "'");
-  }
-  return value;
-}
-
-double parse_positive(std::string_view flag, std::string_view text) {
-  double value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || !(value > 0) ||
-      !std::isfinite(value)) {
-    throw UsageError(std::string(flag) + " needs a positive number, got '" + std::string(text) +
-                     "'");
-  }
-  return value;
-}
-
-// "RxS", e.g. "2x2" or "1x4".
-std::pair<int64_t, int64_t> parse_mesh(std::string_view text) {
-  const size_t x = text.find('x');
-  if (x == std::string_view::npos) {
-    throw UsageError("--mesh needs RxS (replicas x shards, e.g. 2x2 or 1x4), got '" +
-                     std::string(text) + "'");
-  }
-  return {parse_int("--mesh R", text.substr(0, x), 1, 1 << 16),
-          parse_int("--mesh S", text.substr(x + 1), 1, 1 << 16)};
-}
-
-// Accepts "--flag value" and "--flag=value".
-Options parse_args(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    std::optional<std::string_view> inline_value;
-    if (const size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      inline_value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    }
-    auto value = [&]() -> std::string_view {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= argc) throw UsageError(std::string(arg) + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "-h" || arg == "--help") {
-      o.help = true;
-    } else if (arg == "--comm-fusion") {
-      if (inline_value) throw UsageError("--comm-fusion takes no value");
-      o.comm_fusion = true;
-    } else if (arg == "--steps") {
-      o.steps = parse_int(arg, value(), 1, 1'000'000);
-    } else if (arg == "--batch") {
-      o.batch = parse_int(arg, value(), 1, 1 << 20);
-    } else if (arg == "--seq") {
-      o.seq = parse_int(arg, value(), 4, 1 << 16);
-    } else if (arg == "--dim") {
-      o.dim = parse_int(arg, value(), 1, 1 << 16);
-    } else if (arg == "--layers") {
-      o.layers = parse_int(arg, value(), 1, 1024);
-    } else if (arg == "--heads") {
-      o.heads = parse_int(arg, value(), 1, 1 << 16);
-    } else if (arg == "--vocab") {
-      o.vocab = parse_int(arg, value(), 2, 1 << 24);
-    } else if (arg == "--lr") {
-      o.lr = parse_positive(arg, value());
-    } else if (arg == "--clip-grad") {
-      const std::string_view text = value();
-      o.clip_grad = text == "0" ? 0.0 : parse_positive(arg, text);
-    } else if (arg == "--mesh") {
-      std::tie(o.replicate, o.shard) = parse_mesh(value());
-    } else if (arg == "--mp") {
-      const std::string_view mp = value();
-      if (mp != "none" && mp != "bf16") {
-        throw UsageError("--mp needs none or bf16, got '" + std::string(mp) + "'");
-      }
-      o.bf16 = mp == "bf16";
-    } else if (arg == "--checkpoint") {
-      const std::string_view kind = value();
-      if (kind == "reentrant") {
-        o.checkpoint = hp::CheckpointImpl::kReentrant;
-      } else if (kind == "non-reentrant") {
-        o.checkpoint = hp::CheckpointImpl::kNonReentrant;
-      } else if (kind != "none") {
-        throw UsageError("--checkpoint needs none, reentrant or non-reentrant, got '" +
-                         std::string(kind) + "'");
-      }
-    } else if (arg == "--save") {
-      o.save_dir = value();
-    } else if (arg == "--save-every") {
-      o.save_every = parse_int(arg, value(), 0, 1'000'000);
-    } else if (arg == "--resume") {
-      o.resume = value();
-    } else if (arg == "--export") {
-      o.export_dir = value();
-    } else if (arg == "--fail-at-step") {
-      o.fail_at_step = parse_int(arg, value(), 1, 1'000'000);
-    } else if (arg == "--trace") {
-      o.trace_dir = std::string(value());
-    } else if (arg == "--seed") {
-      o.seed = parse_int(arg, value(), 0, int64_t{1} << 40);
-    } else {
-      throw UsageError("unknown option '" + std::string(argv[i]) + "'");
-    }
-  }
-  if (o.seq % 2 != 0) throw UsageError("--seq must be even, got " + std::to_string(o.seq));
-  if (o.resume == "auto" && o.save_dir.empty()) {
-    throw UsageError("--resume auto needs --save DIR (the checkpoints it looks for)");
-  }
-  if (o.save_every > 0 && o.save_dir.empty()) {
-    throw UsageError("--save-every needs --save DIR");
-  }
-  if (o.dim % o.heads != 0) {
-    throw UsageError("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
-                     std::to_string(o.dim) + ")");
-  }
-  return o;
-}
-
-// One data-parallel rank's sequences of a step. The global batch depends only on the
-// seed and the step, so every mesh shape trains on the same data.
-struct Batch {
-  at::Tensor input;   // [b, seq - 1]
-  at::Tensor target;  // [b, seq - 1]: input shifted by one
-};
-
-Batch make_batch(const Options& o, int64_t step, int64_t rank, int64_t ranks) {
-  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(o.seed) * 1'000'003 +
-                                                     static_cast<uint64_t>(step));
-  at::Tensor half = torch::randint(o.vocab, {o.batch, o.seq / 2}, gen, torch::kLong);
-  at::Tensor mine = torch::cat({half, half}, 1).chunk(ranks, 0)[rank];
-  return {mine.narrow(1, 0, o.seq - 1), mine.narrow(1, 1, o.seq - 1)};
-}
-
-// Targets from index seq/2 - 1 on are copies of earlier tokens.
-at::Tensor predictable(const at::Tensor& t, int64_t seq) {
-  return t.narrow(1, seq / 2 - 1, seq / 2);
-}
-
-// Peak resident set size of this process (VmHWM), in MiB.
-double peak_rss_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.starts_with("VmHWM:")) return std::atof(line.c_str() + 6) / 1024.0;
-  }
-  return 0;
-}
-
-std::string with_commas(int64_t n) {
-  std::string digits = std::to_string(n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
-int64_t numel_of(const std::vector<at::Tensor>& params) {
-  int64_t n = 0;
-  for (const auto& p : params) n += p.numel();
-  return n;
 }
 
 // Fails before training, on every rank, when rank 0 cannot write into `dir` (a write
@@ -312,11 +84,8 @@ void check_writable(const std::string& flag, const std::string& dir, int64_t ran
 }
 
 // What a resumed run needs besides the model and the optimizer, saved with them: the
-// steps taken, every rank's random generator state and the losses so far (so that its
-// summary is the uninterrupted run's).
-hp::StateDict run_state(int64_t step, const std::vector<double>& losses,
-                        const std::vector<double>& accuracies, const hp::Group& all,
-                        int64_t ranks) {
+// steps taken (the data position) and every rank's random generator state.
+hp::StateDict run_state(int64_t step, const hp::Group& all, int64_t ranks) {
   at::Tensor rng;
   {
     auto generator = at::detail::getDefaultCPUGenerator();
@@ -328,14 +97,7 @@ hp::StateDict run_state(int64_t step, const std::vector<double>& losses,
   hp::StateDict state;
   state.insert("step", at::scalar_tensor(step, at::kLong));
   state.insert("rng_states", every_rng.view({ranks, rng.numel()}));
-  state.insert("losses", torch::tensor(losses, torch::kDouble));
-  state.insert("accuracies", torch::tensor(accuracies, torch::kDouble));
   return state;
-}
-
-std::vector<double> to_vector(const at::Tensor& values) {
-  const at::Tensor contiguous = values.to(at::kDouble).contiguous();
-  return {contiguous.data_ptr<double>(), contiguous.data_ptr<double>() + contiguous.numel()};
 }
 
 // This rank's generator state from a checkpoint; saved on another number of ranks, rank r
@@ -346,14 +108,145 @@ void restore_rng(const at::Tensor& states, int64_t rank) {
   generator.set_state(states[rank % states.size(0)].clone());
 }
 
-int train(const Options& o) {
+// The loss of predicting every validation byte by the training bytes' frequencies (add-one
+// smoothed), in nats: what a model that ignores context reaches. Each rank counts its
+// share of both parts.
+double unigram_baseline(const hp::trainer::TextCorpus& corpus, int64_t rank, int64_t ranks,
+                        const hp::Group& all) {
+  using hp::trainer::Split;
+  at::Tensor counts = torch::zeros({2, kVocab}, torch::kDouble);
+  for (Split split : {Split::kTrain, Split::kValidation}) {
+    const int64_t size = corpus.size(split);
+    const int64_t begin = size * rank / ranks, end = size * (rank + 1) / ranks;
+    const auto share = corpus.byte_counts(split, begin, end - begin);
+    for (int64_t byte = 0; byte < kVocab; ++byte) {
+      counts[split == Split::kTrain ? 0 : 1][byte] = static_cast<double>(share[byte]);
+    }
+  }
+  hp::all_reduce(counts, hp::ReduceOp::kSum, all).wait();
+  const at::Tensor probability = (counts[0] + 1) / (counts[0].sum() + kVocab);
+  return -(counts[1] * probability.log()).sum().item<double>() / counts[1].sum().item<double>();
+}
+
+// The fp32 matmul rate one rank reaches while all ranks measure at once (they share the
+// machine as they do while training), in FLOP/s; the mean over the ranks.
+double measured_matmul_rate(const hp::Group& all) {
+  // Its own generator: the default one's state is part of a checkpoint.
+  at::Generator generator = at::detail::createCPUGenerator(1);
+  const at::Tensor a = at::randn({256, 256}, generator), b = at::randn({256, 256}, generator);
+  at::Tensor c = torch::mm(a, b);
+  hp::barrier(all).wait();
+  constexpr int kRepeats = 40;
+  const auto start = Clock::now();
+  for (int i = 0; i < kRepeats; ++i) c = torch::mm(a, b);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  at::Tensor rate = torch::full({1}, 2.0 * 256 * 256 * 256 * kRepeats / seconds, torch::kDouble);
+  hp::all_reduce(rate, hp::ReduceOp::kAvg, all).wait();
+  return rate.item<double>();
+}
+
+// Peak resident set size of this process (VmHWM), in MiB.
+double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.starts_with("VmHWM:")) return std::atof(line.c_str() + 6) / 1024.0;
+  }
+  return 0;
+}
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+int64_t numel_of(const std::vector<at::Tensor>& params) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+std::string duration_text(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds));
+  char text[32];
+  std::snprintf(text, sizeof text, s >= 60 ? "%lldm%02llds" : "%llds",
+                static_cast<long long>(s >= 60 ? s / 60 : s), static_cast<long long>(s % 60));
+  return text;
+}
+
+// Linear warmup to the peak, then cosine decay to a tenth of it at the last step.
+double learning_rate(const TrainOptions& o, int64_t step) {
+  if (step <= o.warmup) return o.lr * static_cast<double>(step) / static_cast<double>(o.warmup);
+  const double progress = static_cast<double>(step - o.warmup) /
+                          static_cast<double>(std::max<int64_t>(1, o.steps - o.warmup));
+  return o.lr * (0.1 + 0.45 * (1 + std::cos(M_PI * std::min(1.0, progress))));
+}
+
+at::Tensor next_byte_loss(const at::Tensor& logits, const at::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.to(at::kFloat).reshape({-1, kVocab}),
+                                              target.reshape(-1));
+}
+
+// Mean loss per byte over every rank's validation batches.
+template <typename Model>
+double validation_loss(Model& model, const std::vector<hp::trainer::Batch>& batches,
+                       const hp::Group& all) {
+  torch::NoGradGuard no_grad;
+  at::Tensor sums = torch::zeros({2}, torch::kDouble);  // loss sum, bytes
+  for (const auto& batch : batches) {
+    const at::Tensor logits = model(batch.data);
+    sums[0] += next_byte_loss(logits, batch.target).item<double>() * batch.target.numel();
+    sums[1] += static_cast<double>(batch.target.numel());
+  }
+  hp::all_reduce(sums, hp::ReduceOp::kSum, all).wait();
+  return (sums[0] / sums[1]).item<double>();
+}
+
+// `length` bytes after `prompt`, top-k sampled with a generator seeded alike on every
+// rank: the ranks compute the same logits, so they draw the same bytes and run the same
+// collectives.
+template <typename Model>
+std::string generate(Model& model, const std::string& prompt, int64_t length, int64_t context,
+                     uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  at::Generator generator = at::detail::createCPUGenerator(seed);
+  std::vector<int64_t> tokens;
+  for (char c : prompt) tokens.push_back(static_cast<unsigned char>(c));
+  if (tokens.empty()) tokens.push_back('\n');
+  std::string text;
+  for (int64_t i = 0; i < length; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
+    const at::Tensor input =
+        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
+    const at::Tensor logits = model(input)[0][-1].to(at::kFloat) / 0.8;
+    const auto [top, index] = logits.topk(8);
+    const int64_t pick =
+        torch::multinomial(torch::softmax(top, 0), 1, false, generator).item<int64_t>();
+    const int64_t byte = index[pick].item<int64_t>();
+    tokens.push_back(byte);
+    text += static_cast<char>(byte);
+  }
+  return text;
+}
+
+// Text safe for a terminal: other control bytes and stray UTF-8 bytes shown as '?'.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) out += (c == '\n' || c == '\t' || (c >= 32 && c < 127)) ? c : '?';
+  return out;
+}
+
+int train(const TrainOptions& o, const std::string& resolved) {
   std::shared_ptr<hp::World> world = hp::default_world();
   const hp::Group& all = *world->world_group();
   const int64_t ranks = world->size(), rank = world->rank();
   if (o.replicate * o.shard != ranks) {
-    throw UsageError("--mesh " + std::to_string(o.replicate) + "x" + std::to_string(o.shard) +
-                     " needs " + std::to_string(o.replicate * o.shard) + " ranks, this run has " +
-                     std::to_string(ranks) + " (use hp-run -n " +
+    throw UsageError("--mesh " + o.mesh + " needs " + std::to_string(o.replicate * o.shard) +
+                     " ranks, this run has " + std::to_string(ranks) + " (use hp-run -n " +
                      std::to_string(o.replicate * o.shard) + ", or --mesh 1x" +
                      std::to_string(ranks) + ")");
   }
@@ -361,19 +254,32 @@ int train(const Options& o) {
     throw UsageError("--batch " + std::to_string(o.batch) + " is not divisible by the " +
                      std::to_string(ranks) + " data-parallel ranks");
   }
+  const int64_t batch_per_rank = o.batch / ranks;
+  std::shared_ptr<const hp::trainer::TextCorpus> corpus;
+  std::optional<hp::trainer::TrainBatches> batches;
+  std::vector<hp::trainer::Batch> validation;
+  try {
+    corpus = std::make_shared<hp::trainer::TextCorpus>(o.data, o.validation_fraction);
+    batches.emplace(corpus, o.seq, batch_per_rank, rank, ranks, static_cast<uint64_t>(o.seed));
+    validation =
+        hp::trainer::validation_batches(corpus, o.seq, batch_per_rank, o.eval_batches, rank, ranks);
+  } catch (const std::invalid_argument& error) {
+    throw UsageError(std::string("--data: ") + error.what());
+  }
+  const double unigram = unigram_baseline(*corpus, rank, ranks, all);
 
   hp::models::TransformerConfig config;
-  config.vocab = o.vocab;
+  config.vocab = kVocab;
   config.dim = o.dim;
   config.heads = o.heads;
   config.layers = o.layers;
   config.ffn_hidden = 4 * o.dim;
   config.max_seq = o.seq;
-  torch::manual_seed(o.seed);  // the same initial model on every rank
+  torch::manual_seed(static_cast<uint64_t>(o.seed));  // the same initial model on every rank
   // Recorded, not allocated: no rank ever holds the whole model; each materializes (or
   // loads) only its shards, below.
   auto model = hp::deferred_init([&] { return hp::Sharded<hp::models::Transformer>(config); });
-  model->checkpoint_layers.assign(o.layers, o.checkpoint);
+  model->checkpoint_layers.assign(o.layers, o.checkpoint_impl());
   const int64_t full_params = numel_of(model->parameters());
 
   hp::FullyShardOptions options;
@@ -381,67 +287,48 @@ int train(const Options& o) {
       o.replicate == 1
           ? hp::DeviceMesh(world, {{"dp_shard", o.shard}})
           : hp::DeviceMesh(world, {{"dp_replicate", o.replicate}, {"dp_shard", o.shard}});
-  if (o.bf16) {
+  if (o.mp == "bf16") {
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;
   }
   options.comm_fusion = o.comm_fusion;
   for (auto& layer : model->layers) hp::fully_shard(layer, options);
   hp::fully_shard(model, options);
-  if (!o.save_dir.empty()) check_writable("--save", o.save_dir, rank, all);
+  if (!o.save.empty()) check_writable("--save", o.save, rank, all);
   if (!o.export_dir.empty()) check_writable("--export", o.export_dir, rank, all);
+  if (!o.out.empty()) check_writable("--out", o.out, rank, all);
   std::string resume_from;  // empty: a fresh start
   if (o.resume == "auto") {
-    resume_from = hp::latest_checkpoint(o.save_dir).value_or("");
+    resume_from = hp::latest_checkpoint(o.save).value_or("");
     if (resume_from.empty() && rank == 0) {
-      std::printf("no complete checkpoint under %s: starting fresh\n", o.save_dir.c_str());
+      std::printf("no complete checkpoint under %s: starting fresh\n", o.save.c_str());
     }
   } else {
     resume_from = o.resume;
   }
   if (resume_from.empty()) hp::materialize(*model);  // a resumed run loads its values below
   const int64_t local_params = numel_of(model->parameters());
-  const std::string mesh_text = o.replicate == 1
-                                    ? "dp_shard=" + std::to_string(o.shard) + " (FSDP)"
-                                    : "dp_replicate=" + std::to_string(o.replicate) +
-                                          " x dp_shard=" + std::to_string(o.shard) + " (HSDP)";
 
   if (rank == 0) {
-    std::printf("train_decoder: copy task (2nd half of each sequence repeats the 1st)\n");
-    std::printf("  ranks %lld, mesh %s\n", static_cast<long long>(ranks), mesh_text.c_str());
-    std::printf("  model vocab %lld, dim %lld, heads %lld, layers %lld, ffn %lld, seq %lld\n",
-                static_cast<long long>(o.vocab), static_cast<long long>(o.dim),
-                static_cast<long long>(o.heads), static_cast<long long>(o.layers),
-                static_cast<long long>(config.ffn_hidden), static_cast<long long>(o.seq));
-    std::printf("  parameters %s full, %s on rank 0 (sharded)\n", with_commas(full_params).c_str(),
-                with_commas(local_params).c_str());
     std::printf(
-        "  %lld steps, global batch %lld (%lld per rank), AdamW lr %g, clip grad norm %g, "
-        "mp %s, comm fusion %s, checkpoint %s, seed %lld\n\n",
-        static_cast<long long>(o.steps), static_cast<long long>(o.batch),
-        static_cast<long long>(o.batch / ranks), o.lr, o.clip_grad, o.bf16 ? "bf16" : "none",
-        o.comm_fusion ? "on" : "off",
-        !o.checkpoint                                     ? "none"
-        : *o.checkpoint == hp::CheckpointImpl::kReentrant ? "reentrant"
-                                                          : "non-reentrant",
-        static_cast<long long>(o.seed));
+        "train_decoder: byte-level language model on %zu text files (%s training bytes, "
+        "%s validation bytes); unigram baseline %.4f nats per byte\n",
+        corpus->files().size(), with_commas(corpus->size(hp::trainer::Split::kTrain)).c_str(),
+        with_commas(corpus->size(hp::trainer::Split::kValidation)).c_str(), unigram);
+    std::printf("  ranks %lld, parameters %s full, %s on rank 0 (sharded)\n",
+                static_cast<long long>(ranks), with_commas(full_params).c_str(),
+                with_commas(local_params).c_str());
+    std::printf("resolved configuration (usable as --config):\n%s\n", resolved.c_str());
     std::fflush(stdout);
   }
 
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
-  // Steps already taken: data batches continue where the checkpoint left off.
-  int64_t done = 0;
-  std::vector<double> losses, accuracies;
-  // Resumed with the losses so far: the summary and its pass criterion are the
-  // uninterrupted run's.
-  bool whole_history = true;
+  int64_t done = 0;  // steps already taken: the data continue where the checkpoint left off
   if (!resume_from.empty()) {
     if (hp::is_complete_checkpoint(resume_from)) {
       // Each rank reads only the pieces its shards need.
       const hp::StateDict state = hp::load_sharded_checkpoint(resume_from, *model, &optimizer);
       done = state["step"].item<int64_t>();
-      losses = to_vector(state["losses"]);
-      accuracies = to_vector(state["accuracies"]);
       restore_rng(state["rng_states"], rank);
     } else if (std::filesystem::exists(resume_from + "/model.pt")) {
       // An --export: both files stream, one tensor read at a time.
@@ -452,7 +339,6 @@ int train(const Options& o) {
       if (state != optimizer.state().end()) {
         done = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
       }
-      whole_history = false;
     } else {
       throw UsageError("--resume " + resume_from +
                        ": neither a complete sharded checkpoint (no COMPLETE marker) nor an "
@@ -463,35 +349,46 @@ int train(const Options& o) {
                   static_cast<long long>(done));
     }
   }
+  std::vector<hp::trainer::MetricsRecord> records;
+  std::optional<hp::trainer::MetricsLog> metrics;
+  if (!o.out.empty() && rank == 0) {
+    // A resumed run keeps what was logged up to its checkpoint.
+    records = hp::trainer::read_metrics(o.out + "/metrics.jsonl", done);
+    metrics.emplace(o.out + "/metrics.jsonl", records);
+  }
   const auto save = [&](int64_t step) {
-    const std::string dir = hp::checkpoint_dir_for_step(o.save_dir, step);
-    hp::save_sharded_checkpoint(dir, *model, &optimizer,
-                                run_state(step, losses, accuracies, all, ranks));
+    const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
+    hp::save_sharded_checkpoint(dir, *model, &optimizer, run_state(step, all, ranks));
     if (rank == 0) std::printf("saved %s\n", dir.c_str());
   };
   const char* restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const bool first_attempt = restart_count == nullptr || std::string_view(restart_count) == "0";
+  const double matmul_rate = measured_matmul_rate(all);
+
   const bool tty = isatty(STDOUT_FILENO) == 1;
-  const int64_t print_every = tty ? 1 : std::max<int64_t>(1, o.steps / 20);
-  const int64_t tokens_per_step = o.batch * (o.seq - 1);
+  const int64_t log_every = o.log_every > 0 ? o.log_every : std::max<int64_t>(1, o.steps / 20);
+  const int64_t eval_every = o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 5);
+  const int64_t tokens_per_step = o.batch * o.seq;
   const auto start = Clock::now();
   auto last_report = start;
   int64_t last_report_step = done;
+  double final_validation = std::numeric_limits<double>::quiet_NaN();
+  double tokens_per_s = 0;
 
   for (int64_t step = done + 1; step <= o.steps; ++step) {
     if (step == o.fail_at_step && first_attempt && rank == ranks - 1) {
       throw std::runtime_error("--fail-at-step " + std::to_string(step) +
                                ": failing on purpose (fault injection)");
     }
-    Batch batch = make_batch(o, step, rank, ranks);
-    // Step 3: the implicit prefetch order is known and warm-up allocations are done.
-    const bool traced = !o.trace_dir.empty() && step == done + 3;
+    const hp::trainer::Batch batch = batches->at_step(step);
+    // The third step: the implicit prefetch order is known and warm-up allocations are done.
+    const bool traced = !o.trace.empty() && step == done + 3;
     if (traced) hp::trace::start();
+    for (auto& group : optimizer.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
+    }
     optimizer.zero_grad();
-    at::Tensor logits = predictable(model(batch.input), o.seq).to(at::kFloat);
-    at::Tensor target = predictable(batch.target, o.seq);
-    at::Tensor loss =
-        torch::nn::functional::cross_entropy(logits.reshape({-1, o.vocab}), target.reshape(-1));
+    const at::Tensor loss = next_byte_loss(model(batch.data), batch.target);
     loss.backward();
     // The norm of the whole gradients (shards combined across ranks), before clipping;
     // an infinite limit only measures it.
@@ -499,45 +396,56 @@ int train(const Options& o) {
         model->parameters(),
         o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
     optimizer.step();
-    if (traced) write_trace(o.trace_dir, rank, hp::trace::stop());
+    if (traced) write_trace(o.trace, rank, hp::trace::stop());
 
-    at::Tensor stats =
-        torch::stack({loss.detach(), (logits.argmax(-1) == target).to(at::kFloat).mean()});
-    hp::all_reduce(stats, hp::ReduceOp::kAvg, all).wait();
-    at::Tensor rss = torch::full({1}, peak_rss_mib(), torch::kFloat);
-    at::Tensor all_rss = torch::empty({ranks}, torch::kFloat);
-    hp::all_gather(all_rss, rss, all).wait();
-    losses.push_back(stats[0].item<double>());
-    accuracies.push_back(stats[1].item<double>());
+    at::Tensor mean_loss = loss.detach().clone();
+    hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, all).wait();
     if (o.save_every > 0 && step % o.save_every == 0 && step != o.steps) save(step);
+    const bool log = step % log_every == 0 || step == o.steps;
+    const bool evaluate = step % eval_every == 0 || step == o.steps;
+    if (!log && !evaluate) continue;
 
-    if (rank != 0 || (step % print_every != 0 && step != o.steps)) continue;
+    hp::trainer::MetricsRecord record;
+    record.step = step;
+    record.loss = mean_loss.item<double>();
+    record.grad_norm = grad_norm;
     const auto now = Clock::now();
-    const double seconds = std::chrono::duration<double>(now - last_report).count();
-    const double tokens_per_s = (step - last_report_step) * tokens_per_step / seconds;
-    last_report = now;
+    tokens_per_s = static_cast<double>((step - last_report_step) * tokens_per_step) /
+                   std::chrono::duration<double>(now - last_report).count();
+    record.tokens_per_s = tokens_per_s;
+    record.elapsed_s = std::chrono::duration<double>(now - start).count();
+    if (evaluate)
+      record.validation_loss = final_validation = validation_loss(model, validation, all);
+    last_report = Clock::now();  // evaluation time does not count against throughput
     last_report_step = step;
-    const int64_t max_rank = all_rss.argmax().item<int64_t>();
+    if (rank != 0) continue;
+    records.push_back(record);
+    if (metrics) metrics->append(record);
+    const double eta =
+        record.elapsed_s / static_cast<double>(step - done) * static_cast<double>(o.steps - step);
     char line[256];
-    std::snprintf(line, sizeof(line),
-                  "step %5lld/%lld  loss %.4f  acc %5.1f%%  grad norm %6.3f  %7.0f tok/s  "
-                  "peak RSS %.0f MiB (max, rank %lld)",
-                  static_cast<long long>(step), static_cast<long long>(o.steps), losses.back(),
-                  100 * accuracies.back(), grad_norm, tokens_per_s,
-                  all_rss[max_rank].item<double>(), static_cast<long long>(max_rank));
+    std::snprintf(line, sizeof line,
+                  "step %6lld/%lld  loss %.4f  grad norm %6.3f  %7.0f tok/s  ETA %s",
+                  static_cast<long long>(step), static_cast<long long>(o.steps), record.loss,
+                  grad_norm, tokens_per_s, duration_text(eta).c_str());
     if (tty) {
-      constexpr int kWidth = 24;
+      constexpr int kWidth = 20;
       const int filled = static_cast<int>(kWidth * step / o.steps);
-      std::printf("\r[%s%s] %s", std::string(filled, '#').c_str(),
+      std::printf("\r[%s%s] %s\033[K", std::string(filled, '#').c_str(),
                   std::string(kWidth - filled, '.').c_str(), line);
-      if (step == o.steps) std::printf("\n");
     } else {
       std::printf("%s\n", line);
     }
+    if (record.validation_loss) {
+      std::printf("%svalidation loss %.4f  perplexity %.2f  (unigram baseline %.4f)\n",
+                  tty ? "\n" : "", *record.validation_loss, std::exp(*record.validation_loss),
+                  unigram);
+    }
     std::fflush(stdout);
   }
+  if (tty && rank == 0) std::printf("\n");
 
-  if (!o.save_dir.empty()) save(o.steps);
+  if (!o.save.empty()) save(o.steps);
   if (!o.export_dir.empty()) {
     // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
     hp::save_full_checkpoint(*model, o.export_dir + "/model.pt");
@@ -550,42 +458,44 @@ int train(const Options& o) {
                   o.export_dir.c_str());
     }
   }
-  if (losses.empty()) {
-    if (rank == 0)
-      std::printf("nothing to train: the run was at step %lld already\n",
-                  static_cast<long long>(done));
-    return 0;
-  }
+  if (std::isnan(final_validation)) final_validation = validation_loss(model, validation, all);
+  const std::string sample = o.sample_bytes > 0 ? generate(model, o.prompt, o.sample_bytes, o.seq,
+                                                           static_cast<uint64_t>(o.seed))
+                                                : "";
+  at::Tensor rss = torch::full({1}, peak_rss_mib(), torch::kFloat);
+  at::Tensor all_rss = torch::empty({ranks}, torch::kFloat);
+  hp::all_gather(all_rss, rss, all).wait();
 
-  // The last steps' mean: one step's loss on a fresh batch is noisy.
-  const size_t tail = std::min<size_t>(10, losses.size());
-  auto tail_mean = [&](const std::vector<double>& v) {
-    double sum = 0;
-    for (size_t i = v.size() - tail; i < v.size(); ++i) sum += v[i];
-    return sum / tail;
-  };
-  const double first = losses.front(), final_loss = tail_mean(losses);
-  const double final_acc = tail_mean(accuracies);
-  // A resumed run may start converged already: it must not get worse.
-  const bool learned = whole_history ? final_loss < 0.5 * first : final_loss <= first;
+  const bool learned = final_validation < unigram;
   if (rank == 0) {
-    const double total = std::chrono::duration<double>(Clock::now() - start).count();
-    std::printf(
-        "\nloss %.4f -> %.4f (mean of the last %zu steps), accuracy %.1f%% (chance "
-        "%.1f%%), %lld steps in %.1f s\n",
-        first, final_loss, tail, 100 * final_acc, 100.0 / o.vocab,
-        static_cast<long long>(o.steps - done), total);
-    if (!whole_history) {
-      std::printf(learned ? "OK: the loss did not rise after resuming\n"
-                          : "FAILED: the loss rose after resuming\n");
-    } else if (learned) {
-      std::printf("OK: the loss fell below half of its first value\n");
-    } else {
-      std::printf(
-          "FAILED: the loss did not fall below half of its first value (%.4f); try "
-          "more --steps or another --lr\n",
-          0.5 * first);
+    if (!o.out.empty()) {
+      const std::string svg = hp::trainer::loss_curve_svg(
+          records,
+          "train_decoder: " + with_commas(full_params) + " parameters, " + std::to_string(ranks) +
+              " ranks (" + o.mesh + ")",
+          unigram);
+      std::ofstream(o.out + "/loss.svg.partial") << svg;
+      std::filesystem::rename(o.out + "/loss.svg.partial", o.out + "/loss.svg");
+      std::printf("wrote %s/metrics.jsonl and %s/loss.svg\n", o.out.c_str(), o.out.c_str());
     }
+    if (!sample.empty()) {
+      std::printf("\nsample:\n%s%s\n\n", printable(o.prompt).c_str(), printable(sample).c_str());
+    }
+    // PaLM's estimate: 6 FLOPs per parameter and token, plus attention's score and value
+    // products.
+    const double flops_per_token = 6.0 * static_cast<double>(full_params) +
+                                   12.0 * static_cast<double>(o.layers * o.dim * o.seq);
+    const double achieved = tokens_per_s * flops_per_token;
+    std::printf("peak RSS per rank (MiB):");
+    for (int64_t r = 0; r < ranks; ++r) std::printf(" %.0f", all_rss[r].item<double>());
+    std::printf(
+        "\nmodel FLOPs utilisation %.1f%% (%.2f GFLOP/s of %lld ranks x %.2f GFLOP/s "
+        "measured fp32 matmul)\n",
+        100 * achieved / (static_cast<double>(ranks) * matmul_rate), achieved / 1e9,
+        static_cast<long long>(ranks), matmul_rate / 1e9);
+    std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
+                learned ? "OK" : "FAILED", final_validation, std::exp(final_validation),
+                learned ? "below" : "not below", unigram);
   }
   return learned ? 0 : 1;
 }
@@ -600,13 +510,15 @@ bool is_rank0() {
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // ranks share the machine's cores
+  const hp::trainer::ParsedOptions parsed =
+      hp::trainer::parse_train_options(argc, argv, is_rank0());
   try {
-    const Options options = parse_args(argc, argv);
-    if (options.help) {
-      if (is_rank0()) std::printf("%s", kUsage);
-      return 0;
+    if (parsed.exit_code) {
+      if (*parsed.exit_code != 0 && !is_rank0())
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+      return *parsed.exit_code;
     }
-    return train(options);
+    return train(parsed.options, parsed.resolved);
   } catch (const UsageError& error) {
     if (is_rank0()) {
       std::fprintf(stderr, "train_decoder: %s (see --help)\n", error.what());

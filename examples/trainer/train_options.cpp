@@ -1,0 +1,176 @@
+#include "examples/trainer/train_options.h"
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <sstream>
+
+namespace hp::trainer {
+
+std::optional<CheckpointImpl> TrainOptions::checkpoint_impl() const {
+  if (checkpoint == "reentrant") return CheckpointImpl::kReentrant;
+  if (checkpoint == "non-reentrant") return CheckpointImpl::kNonReentrant;
+  return std::nullopt;
+}
+
+namespace {
+
+// "RxS" with R, S >= 1; the error text is CLI11's convention (empty: valid).
+std::string check_mesh(const std::string& text) {
+  const size_t x = text.find('x');
+  int64_t r = 0, s = 0;
+  const auto number = [](std::string_view part, int64_t& value) {
+    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
+    return ec == std::errc() && end == part.data() + part.size() && value >= 1;
+  };
+  if (x == std::string::npos || !number(std::string_view(text).substr(0, x), r) ||
+      !number(std::string_view(text).substr(x + 1), s)) {
+    return "needs RxS (replicas x shards, e.g. 2x2 or 1x4), got '" + text + "'";
+  }
+  return "";
+}
+
+}  // namespace
+
+ParsedOptions parse_train_options(int argc, char** argv, bool print) {
+  ParsedOptions parsed;
+  TrainOptions& o = parsed.options;
+  CLI::App app(
+      "Trains a byte-level decoder-only transformer with fully_shard (HSDP on a 2x2 mesh by "
+      "default) on text files: validation loss and perplexity as it goes, a generated sample "
+      "at the end. Exits 0 when the final validation loss is below the corpus's unigram "
+      "baseline. Run it with hp-run (or torchrun), e.g. hp-run -n 4 -- train_decoder --data "
+      "docs.",
+      "train_decoder");
+  app.set_config("--config", "",
+                 "TOML file of options (names as the long flags, e.g. steps = 600); flags on "
+                 "the command line override it");
+  app.option_defaults()->always_capture_default();
+
+  app.add_option("--data", o.data, "text files and directories (searched recursively)")
+      ->required()
+      ->group("Data");
+  app.add_option("--val-fraction", o.validation_fraction,
+                 "the end of every file held out for validation")
+      ->check(CLI::Range(0.01, 0.5))
+      ->group("Data");
+
+  app.add_option("--seq", o.seq, "sequence length in bytes")
+      ->check(CLI::Range(2, 1 << 16))
+      ->group("Model");
+  app.add_option("--dim", o.dim, "model width")->check(CLI::Range(1, 1 << 16))->group("Model");
+  app.add_option("--layers", o.layers, "decoder blocks")
+      ->check(CLI::Range(1, 1024))
+      ->group("Model");
+  app.add_option("--heads", o.heads, "attention heads, must divide --dim")
+      ->check(CLI::Range(1, 1 << 16))
+      ->group("Model");
+
+  app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run ends there too)")
+      ->check(CLI::Range(1, 10'000'000))
+      ->group("Training");
+  app.add_option("--batch", o.batch, "global batch in sequences, divisible by the ranks")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group("Training");
+  app.add_option("--lr", o.lr, "AdamW peak learning rate")
+      ->check(CLI::PositiveNumber)
+      ->group("Training");
+  app.add_option("--warmup", o.warmup, "linear warmup steps, then cosine decay to lr/10")
+      ->check(CLI::Range(0, 10'000'000))
+      ->group("Training");
+  app.add_option("--clip-grad", o.clip_grad, "clip gradients to this global norm; 0: off")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Training");
+  app.add_option("--seed", o.seed, "initialization, data order and sampling")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->group("Training");
+
+  app.add_option("--mesh", o.mesh, "R replicas x S shards = number of ranks; R=1: plain FSDP")
+      ->check(check_mesh, "RxS")
+      ->group("Parallelism");
+  app.add_option("--mp", o.mp,
+                 "bf16: parameters gathered and used in bf16, gradients reduced in fp32")
+      ->check(CLI::IsMember({"none", "bf16"}))
+      ->group("Parallelism");
+  app.add_flag("--comm-fusion", o.comm_fusion,
+               "one all-gather / reduce-scatter per module instead of per parameter")
+      ->group("Parallelism");
+  app.add_option("--checkpoint", o.checkpoint, "activation checkpointing of every block")
+      ->check(CLI::IsMember({"none", "reentrant", "non-reentrant"}))
+      ->group("Parallelism");
+
+  app.add_option("--log-every", o.log_every, "steps between progress lines; 0: about 20 per run")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Output");
+  app.add_option("--eval-every", o.eval_every, "steps between validations; 0: about 5 per run")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Output");
+  app.add_option("--eval-batches", o.eval_batches, "validation batches per rank")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group("Output");
+  app.add_option("--prompt", o.prompt, "start of the sample generated at the end")->group("Output");
+  app.add_option("--sample-bytes", o.sample_bytes, "length of that sample; 0: none")
+      ->check(CLI::Range(0, 1 << 16))
+      ->group("Output");
+  app.add_option("--out", o.out,
+                 "write metrics.jsonl (one record per logged step) and loss.svg here")
+      ->group("Output");
+  app.add_option("--trace", o.trace,
+                 "record the third step of every rank as DIR/trace_rank<R>.json (Chrome trace) "
+                 "and DIR/timeline_rank<R>.svg")
+      ->group("Output");
+
+  app.add_option("--save", o.save,
+                 "write sharded checkpoints (model, optimizer, step, RNG) as DIR/step-<N>, every "
+                 "rank its own shards: at the end and every --save-every steps")
+      ->group("Checkpoints");
+  app.add_option("--save-every", o.save_every,
+                 "also save after every N-th step; 0: only at the end")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Checkpoints");
+  app.add_option("--resume", o.resume,
+                 "auto: continue from the newest complete checkpoint under --save (a fresh start "
+                 "when there is none); PATH: from that sharded checkpoint or --export directory, "
+                 "on any --mesh")
+      ->group("Checkpoints");
+  app.add_option("--export", o.export_dir,
+                 "at the end, write DIR/model.pt and DIR/optim.pt (whole tensors, for Python's "
+                 "torch.load)")
+      ->group("Checkpoints");
+  app.add_option("--fail-at-step", o.fail_at_step,
+                 "fault injection for restart tests: the last rank fails before step N in the "
+                 "first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0)")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Checkpoints");
+
+  std::ostringstream out, err;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    const int code = app.exit(error, out, err);
+    if (print) {
+      std::fputs(out.str().c_str(), stdout);
+      std::fputs(err.str().c_str(), stderr);
+    }
+    parsed.exit_code = code == 0 ? 0 : 2;
+    return parsed;
+  }
+  const auto usage_error = [&](const std::string& message) {
+    if (print) std::fprintf(stderr, "train_decoder: %s (see --help)\n", message.c_str());
+    parsed.exit_code = 2;
+  };
+  const size_t x = o.mesh.find('x');
+  o.replicate = std::stoll(o.mesh.substr(0, x));
+  o.shard = std::stoll(o.mesh.substr(x + 1));
+  if (o.dim % o.heads != 0) {
+    usage_error("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
+                std::to_string(o.dim) + ")");
+  } else if (o.resume == "auto" && o.save.empty()) {
+    usage_error("--resume auto needs --save DIR (the checkpoints it looks for)");
+  } else if (o.save_every > 0 && o.save.empty()) {
+    usage_error("--save-every needs --save DIR");
+  }
+  parsed.resolved = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
+  return parsed;
+}
+
+}  // namespace hp::trainer

@@ -1,0 +1,64 @@
+#pragma once
+// The trainer's options: command-line flags over an optional TOML config file (CLI11).
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hyperparallel/checkpoint.h"
+
+namespace hp::trainer {
+
+struct TrainOptions {
+  // Data
+  std::vector<std::string> data;  // text files and directories
+  double validation_fraction = 0.1;
+  // Model
+  int64_t seq = 64;
+  int64_t dim = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  // Training
+  int64_t steps = 500;
+  int64_t batch = 32;  // global, in sequences
+  double lr = 6e-3;
+  int64_t warmup = 20;     // steps of linear warmup before the cosine decay to lr/10
+  double clip_grad = 1.0;  // 0: off
+  int64_t seed = 0;
+  // Parallelism
+  std::string mesh = "2x2";  // RxS: replicas x shards
+  std::string mp = "none";   // none | bf16
+  bool comm_fusion = false;
+  std::string checkpoint = "none";  // activation checkpointing: none | reentrant | non-reentrant
+  // Evaluation and output
+  int64_t log_every = 0;   // 0: about 20 lines per run
+  int64_t eval_every = 0;  // 0: about 5 evaluations per run
+  int64_t eval_batches = 8;
+  std::string prompt = "fully_shard(";
+  int64_t sample_bytes = 160;
+  std::string out;  // metrics.jsonl and loss.svg; empty: none
+  // Checkpoints and recovery
+  std::string save;
+  int64_t save_every = 0;
+  std::string resume;
+  std::string export_dir;
+  int64_t fail_at_step = 0;
+  std::string trace;
+
+  // Derived from `mesh`
+  int64_t replicate = 2;
+  int64_t shard = 2;
+  std::optional<CheckpointImpl> checkpoint_impl() const;
+};
+
+struct ParsedOptions {
+  TrainOptions options;
+  std::string resolved;          // every option's value, as a config file
+  std::optional<int> exit_code;  // set: exit now with it (help shown, or a usage error)
+};
+
+// Parses the command line. Help and usage errors are printed only when `print` is set
+// (rank 0), so that several ranks do not repeat them.
+ParsedOptions parse_train_options(int argc, char** argv, bool print);
+
+}  // namespace hp::trainer

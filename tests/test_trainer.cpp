@@ -1,0 +1,175 @@
+// The trainer (examples/train_decoder) as a user runs it, on this repository's docs: a
+// short run learns below the unigram baseline and writes a metrics file and a loss curve
+// that agree with what it printed; under hp-run's restarts, a run whose rank fails
+// mid-way resumes from its newest sharded checkpoint (--resume auto) and ends with the
+// checkpoint files of an uninterrupted run, byte for byte; a save directory that cannot
+// be written and a missing corpus fail before the first step; flags override a config
+// file.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+
+#include "program_run.h"
+
+#ifndef HP_RUN_PATH
+#error "HP_RUN_PATH must name the hp-run executable"
+#endif
+#ifndef TRAIN_DECODER_PATH
+#error "TRAIN_DECODER_PATH must name the train_decoder executable"
+#endif
+#ifndef HP_SOURCE_DIR
+#error "HP_SOURCE_DIR must name the source directory"
+#endif
+
+namespace hp::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A small model on 2 ranks.
+ProgramRun train(const std::string& hp_run_flags, const std::string& trainer_flags) {
+  return run_program(std::string(HP_RUN_PATH) + " -n 2 --timeout 120 " + hp_run_flags + " -- " +
+                     TRAIN_DECODER_PATH + " --data " + HP_SOURCE_DIR + "/docs --data " +
+                     HP_SOURCE_DIR +
+                     "/README.md --mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 "
+                     "--eval-batches 4 --sample-bytes 40 " +
+                     trainer_flags);
+}
+
+std::string contents(const fs::path& file) {
+  std::ifstream stream(file, std::ios::binary);
+  return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+struct TempDir {
+  fs::path path = fs::temp_directory_path() / ("hp_trainer_" + std::to_string(getpid()));
+  TempDir() { fs::remove_all(path); }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
+  TempDir dir;
+  const std::string out = (dir.path / "out").string();
+  const ProgramRun run = train("", "--steps 120 --out " + out);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::smatch verdict = [&] {
+    std::smatch match;
+    std::regex_search(run.output, match,
+                      std::regex("OK: validation loss ([0-9.]+) \\(perplexity [0-9.]+\\) below "
+                                 "the unigram baseline ([0-9.]+)"));
+    return match;
+  }();
+  ASSERT_FALSE(verdict.empty()) << run.output;
+  EXPECT_LT(std::stod(verdict[1]), std::stod(verdict[2]));
+
+  // One record per logged step, steps increasing; the validation losses are the printed ones.
+  std::vector<std::string> printed;
+  const std::regex validation_line("validation loss ([0-9.]+)  perplexity");
+  for (auto it = std::sregex_iterator(run.output.begin(), run.output.end(), validation_line);
+       it != std::sregex_iterator(); ++it) {
+    printed.push_back((*it)[1]);
+  }
+  std::ifstream metrics(out + "/metrics.jsonl");
+  std::string line;
+  int64_t last_step = 0, records = 0;
+  std::vector<std::string> logged;
+  while (std::getline(metrics, line)) {
+    const nlohmann::json record = nlohmann::json::parse(line);
+    EXPECT_GT(record.at("step").get<int64_t>(), last_step) << line;
+    last_step = record["step"].get<int64_t>();
+    ++records;
+    if (record.contains("validation_loss")) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%.4f", record["validation_loss"].get<double>());
+      logged.push_back(text);
+      EXPECT_NEAR(record["validation_perplexity"].get<double>(),
+                  std::exp(record["validation_loss"].get<double>()), 1e-9);
+    }
+  }
+  EXPECT_EQ(last_step, 120);
+  EXPECT_GE(records, 20);
+  EXPECT_EQ(logged, printed);
+  EXPECT_EQ(printed.size(), 5u);
+
+  // Well-formed XML with one path per curve (Python's XML parser).
+  const ProgramRun svg = run_program(
+      "python3 -c \"import sys, xml.etree.ElementTree as E; "
+      "paths = E.parse(sys.argv[1]).getroot().iter('{http://www.w3.org/2000/svg}path'); "
+      "print('curves', sorted(p.get('class') for p in paths))\" " +
+      out + "/loss.svg");
+  EXPECT_EQ(svg.exit_code, 0) << svg.output;
+  EXPECT_TRUE(contains(svg.output, "curves ['train', 'validation']")) << svg.output;
+}
+
+TEST(Trainer, RestartedRunEndsBitwiseEqualToUninterrupted) {
+  TempDir dir;
+  const std::string straight = (dir.path / "straight").string();
+  const std::string restarted = (dir.path / "restarted").string();
+  const std::string flags = "--steps 60 --save-every 20 --resume auto --save ";
+
+  const ProgramRun reference = train("", flags + straight);
+  ASSERT_TRUE(contains(reference.output, "no complete checkpoint under " + straight))
+      << reference.output;
+  // Rank 1 fails before step 45: the restart resumes from step 40.
+  const ProgramRun run = train("--max-restarts 1", flags + restarted + " --fail-at-step 45");
+  EXPECT_EQ(run.exit_code, reference.exit_code) << run.output;
+  for (const std::string& line : {std::string("--fail-at-step 45: failing on purpose"),
+                                  std::string("hp-run: restarting all 2 ranks (restart 1 of 1)"),
+                                  "resumed from " + restarted + "/step-00000040 after 40 steps"}) {
+    EXPECT_TRUE(contains(run.output, line)) << line << "\n" << run.output;
+  }
+  const auto verdict = [](const std::string& output) {  // "... validation loss X ..."
+    const size_t start = output.rfind("validation loss ");
+    return start == std::string::npos ? "" : output.substr(start, output.find('\n', start) - start);
+  };
+  ASSERT_NE(verdict(reference.output), "") << reference.output;
+  EXPECT_EQ(verdict(run.output), verdict(reference.output));
+
+  const std::string last = "step-00000060";
+  for (const char* file :
+       {"index.json", "rank-00000.safetensors", "rank-00001.safetensors", "COMPLETE"}) {
+    const fs::path expected = fs::path(straight) / last / file;
+    ASSERT_TRUE(fs::exists(expected)) << expected;
+    EXPECT_TRUE(contents(fs::path(restarted) / last / file) == contents(expected))
+        << file << " differs from the uninterrupted run's";
+  }
+}
+
+TEST(Trainer, ConfigFileFlagsAndBadInput) {
+  TempDir dir;
+  fs::create_directories(dir.path);
+  std::ofstream(dir.path / "a_file") << "x";
+  const std::string unwritable = (dir.path / "a_file" / "checkpoints").string();
+  const ProgramRun run = train("", "--steps 10 --save " + unwritable);
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_TRUE(contains(run.output, "--save " + unwritable + ": rank 0 cannot write there"))
+      << run.output;
+  EXPECT_FALSE(contains(run.output, "step ")) << run.output;
+
+  // A config file, and a flag that overrides it.
+  const std::string config = (dir.path / "run.toml").string();
+  std::ofstream(config) << "steps = 5\nseq = 32\nlog-every = 1\n";
+  const ProgramRun configured = train("", "--config " + config + " --steps 2");
+  EXPECT_TRUE(contains(configured.output, "steps=2\n")) << configured.output;
+  EXPECT_TRUE(contains(configured.output, "seq=32\n")) << configured.output;
+  EXPECT_TRUE(contains(configured.output, "step      2/2")) << configured.output;
+
+  const std::string missing = (dir.path / "no_such_corpus").string();
+  const ProgramRun no_data = train("", "--steps 10 --data " + missing);
+  EXPECT_EQ(no_data.exit_code, 2) << no_data.output;
+  EXPECT_TRUE(contains(no_data.output, "--data: data path " + missing + ": no such file"))
+      << no_data.output;
+}
+
+}  // namespace
+}  // namespace hp::testing
