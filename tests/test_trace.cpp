@@ -2,6 +2,7 @@
 // times: what the Chrome JSON and the SVG picture say must follow from the events.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -44,20 +45,21 @@ TEST(Trace, RecordsOnlyBetweenStartAndStop) {
 }
 
 TEST(Trace, ChromeJsonHasOneSpanPerPairAndTheWait) {
-  const std::string json = to_chrome_json(sample(), 3);
-  EXPECT_EQ(json.rfind("{\"traceEvents\":[", 0), 0u) << json;
-  EXPECT_EQ(count(json, "\"ph\":\"M\""), 4u) << "one named thread per lane";
-  EXPECT_EQ(count(json, "\"ph\":\"X\""), 3u) << json;
-  EXPECT_NE(json.find("{\"name\":\"a\",\"ph\":\"X\",\"pid\":3,\"tid\":0,\"ts\":0,\"dur\":100}"),
-            std::string::npos)
-      << json;
-  EXPECT_NE(json.find("{\"name\":\"b\",\"ph\":\"X\",\"pid\":3,\"tid\":1,\"ts\":10,\"dur\":40}"),
-            std::string::npos)
-      << json;
-  EXPECT_NE(
-      json.find("{\"name\":\"wait b\",\"ph\":\"X\",\"pid\":3,\"tid\":1,\"ts\":30,\"dur\":20}"),
-      std::string::npos)
-      << json;
+  const nlohmann::json trace = nlohmann::json::parse(to_chrome_json(sample(), 3));
+  std::vector<nlohmann::json> threads, spans;
+  for (const auto& event : trace.at("traceEvents")) {
+    EXPECT_EQ(event.at("pid"), 3) << event;
+    (event.at("ph") == "M" ? threads : spans).push_back(event);
+  }
+  EXPECT_EQ(threads.size(), 4u) << "one named thread per lane";
+  const auto span = [](const char* name, int lane, double begin, double duration) {
+    return nlohmann::json{{"name", name}, {"ph", "X"},   {"pid", 3},
+                          {"tid", lane},  {"ts", begin}, {"dur", duration}};
+  };
+  // In the order they end.
+  EXPECT_EQ(spans, (std::vector<nlohmann::json>{span("b", 1, 10, 40), span("wait b", 1, 30, 20),
+                                                span("a", 0, 0, 100)}))
+      << trace;
 }
 
 TEST(Trace, SvgDrawsEverySpanAndWait) {
@@ -76,6 +78,11 @@ TEST(Trace, NamesAreQuotedForEachFormat) {
   const std::vector<Event> events = {{Kind::kBegin, "forward", "a\"<&>", 0},
                                      {Kind::kEnd, "forward", "a\"<&>", 5}};
   EXPECT_NE(to_chrome_json(events, 0).find("\"name\":\"a\\\"<&>\""), std::string::npos);
+  // Bytes that are not UTF-8 do not make the trace unwritable.
+  const std::vector<Event> binary = {{Kind::kBegin, "forward", "m\xff", 0},
+                                     {Kind::kEnd, "forward", "m\xff", 5}};
+  EXPECT_EQ(nlohmann::json::parse(to_chrome_json(binary, 0))["traceEvents"][4]["name"],
+            "m\xef\xbf\xbd");
   const std::string svg = to_svg(events, "t<&>");
   EXPECT_NE(svg.find("<title>a&quot;&lt;&amp;&gt; 5 us</title>"), std::string::npos) << svg;
   EXPECT_NE(svg.find(">t&lt;&amp;&gt;</text>"), std::string::npos) << svg;

@@ -2,8 +2,8 @@
 // stops all of them as soon as one fails (see hyperparallel/launcher.h); with
 // --max-restarts, starts all of them again after a failure.
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -18,30 +18,18 @@ namespace {
 
 constexpr int kUsageExit = 2;
 
-constexpr const char* kUsageLine =
-    "usage: hp-run [-n N] [--max-restarts N] [--timeout SECONDS] [--master-addr ADDR] "
-    "[--master-port PORT] [--] PROGRAM [ARGS...]\n";
+constexpr const char* kDescription =
+    "Starts N ranks of PROGRAM on this machine with RANK, LOCAL_RANK, WORLD_SIZE, "
+    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, prints their output as \"[rank K] "
+    "line\", and stops every rank as soon as one fails.";
 
-constexpr const char* kHelp =
-    "\n"
-    "Starts N ranks of PROGRAM on this machine with RANK, LOCAL_RANK, WORLD_SIZE,\n"
-    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, prints their output as\n"
-    "\"[rank K] line\", and stops every rank as soon as one fails.\n"
-    "\n"
-    "options:\n"
-    "  -n, --nproc-per-node N  number of ranks (default 1)\n"
-    "  --max-restarts N        after a rank fails, stop the others and start all ranks\n"
-    "                          again, up to N times (default 0); each attempt sees\n"
-    "                          TORCHELASTIC_RESTART_COUNT (0, 1, ...) as under torchrun, so\n"
-    "                          a program can resume from its newest checkpoint\n"
-    "  --timeout SECONDS       kill all ranks after this long, per attempt; a timeout is\n"
-    "                          not restarted (default 0: no limit)\n"
-    "  --master-addr ADDR      rendezvous address (default 127.0.0.1)\n"
-    "  --master-port PORT      rendezvous port (default: a free port)\n"
-    "  -h, --help              show this help\n"
-    "\n"
-    "exit status: 0 when every rank succeeds, else the exit status of the first rank that\n"
-    "failed (128+N for signal N), 124 on timeout, 2 on a usage error.\n";
+constexpr const char* kUsage = "usage: hp-run [OPTIONS] [--] PROGRAM [ARGS...]";
+
+constexpr const char* kFooter =
+    "PROGRAM and its arguments follow the options (after \"--\", or from the first argument "
+    "that is not an option) and pass to every rank untouched.\n\n"
+    "exit status: 0 when every rank succeeds, else the exit status of the first rank that "
+    "failed (128+N for signal N), 124 on timeout, 2 on a usage error.";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -52,79 +40,50 @@ struct Args {
   int max_restarts = 0;
   double timeout_s = 0;
   bool help = false;
+  std::string help_text;
 };
 
-int parse_int(std::string_view flag, std::string_view text, int min, int max) {
-  int value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < min || value > max) {
-    throw UsageError(std::string(flag) + " needs an integer in " + std::to_string(min) + ".." +
-                     std::to_string(max) + ", got '" + std::string(text) + "'");
-  }
-  return value;
-}
-
-double parse_seconds(std::string_view flag, std::string_view text) {
-  double value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  // The upper bound keeps the millisecond count far from overflow.
-  if (ec != std::errc() || end != text.data() + text.size() || !(value >= 0 && value <= 1e9)) {
-    throw UsageError(std::string(flag) + " needs a number of seconds in 0..1e9, got '" +
-                     std::string(text) + "'");
-  }
-  return value;
-}
-
-// Options come first; "--" or the first argument that is not an option starts the command.
-// Long options also accept "--name=value" and torchrun's underscore spellings.
+// Options come first; "--" or the first argument that is not an option starts the command,
+// whose own arguments pass untouched. torchrun's underscore spellings are accepted.
 Args parse_args(int argc, char** argv) {
   Args args;
-  int i = 1;
-  for (; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg.size() < 2 || arg[0] != '-') break;
-
-    std::string name(arg);
-    std::optional<std::string_view> attached;
-    if (arg.starts_with("--")) {
-      if (const size_t eq = arg.find('='); eq != std::string_view::npos) {
-        name = arg.substr(0, eq);
-        attached = arg.substr(eq + 1);
-      }
-      std::replace(name.begin() + 2, name.end(), '_', '-');
-    } else if (arg.starts_with("-n") && arg.size() > 2) {
-      name = "-n";
-      attached = arg.substr(2);
-    }
-    auto value = [&]() -> std::string_view {
-      if (attached) return *attached;
-      if (i + 1 >= argc) throw UsageError("option " + name + " needs a value");
-      return argv[++i];
-    };
-
-    if (name == "-h" || name == "--help") {
-      args.help = true;
-    } else if (name == "-n" || name == "--nproc-per-node") {
-      args.options.nprocs = parse_int(name, value(), 1, 1 << 16);
-    } else if (name == "--max-restarts") {
-      args.max_restarts = parse_int(name, value(), 0, 1 << 16);
-    } else if (name == "--timeout") {
-      args.timeout_s = parse_seconds(name, value());
-    } else if (name == "--master-addr") {
-      args.options.master_addr = value();
-      if (args.options.master_addr.empty()) throw UsageError("--master-addr is empty");
-    } else if (name == "--master-port") {
-      args.options.master_port = parse_int(name, value(), 0, 65535);
-    } else {
-      throw UsageError("unknown option '" + std::string(arg) + "'");
-    }
+  CLI::App app(kDescription, "hp-run");
+  app.prefix_command();
+  app.footer(kFooter);
+  app.option_defaults()->always_capture_default();
+  app.add_option("-n,--nproc-per-node,--nproc_per_node", args.options.nprocs, "number of ranks")
+      ->check(CLI::Range(1, 1 << 16));
+  app.add_option("--max-restarts,--max_restarts", args.max_restarts,
+                 "after a rank fails, stop the others and start all ranks again, up to N times; "
+                 "each attempt sees TORCHELASTIC_RESTART_COUNT (0, 1, ...) as under torchrun, "
+                 "so a program can resume from its newest checkpoint")
+      ->check(CLI::Range(0, 1 << 16));
+  // The upper bound keeps the millisecond count far from overflow.
+  app.add_option("--timeout", args.timeout_s,
+                 "kill all ranks after this many seconds, per attempt (a timeout is not "
+                 "restarted); 0: no limit")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--master-addr,--master_addr", args.options.master_addr, "rendezvous address")
+      ->check([](const std::string& addr) { return addr.empty() ? "is empty" : ""; });
+  app.add_option("--master-port,--master_port", args.options.master_port,
+                 "rendezvous port; 0: a free port")
+      ->check(CLI::Range(0, 65535));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    args.help = true;
+    args.help_text = app.help();
+    return args;
+  } catch (const CLI::ParseError& error) {
+    throw UsageError(error.what());
   }
-  args.options.command.assign(argv + i, argv + argc);
-  if (!args.help && args.options.command.empty()) throw UsageError("no program to run");
+  args.options.command = app.remaining();
+  if (!args.options.command.empty() && args.options.command.front() == "--") {
+    args.options.command.erase(args.options.command.begin());
+  } else if (!args.options.command.empty() && args.options.command.front().starts_with("-")) {
+    throw UsageError("unknown option '" + args.options.command.front() + "'");
+  }
+  if (args.options.command.empty()) throw UsageError("no program to run");
   if (args.timeout_s > 0) {
     // Rounded up so that a tiny positive timeout does not become 0 ("no limit").
     args.options.timeout =
@@ -154,13 +113,12 @@ int main(int argc, char** argv) {
   try {
     args = parse_args(argc, argv);
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "hp-run: %s\n%sTry 'hp-run --help' for more information.\n", e.what(),
-                 kUsageLine);
+    std::fprintf(stderr, "hp-run: %s\n%s\nTry 'hp-run --help' for more information.\n", e.what(),
+                 kUsage);
     return kUsageExit;
   }
   if (args.help) {
-    std::fputs(kUsageLine, stdout);
-    std::fputs(kHelp, stdout);
+    std::fputs(args.help_text.c_str(), stdout);
     return 0;
   }
   try {

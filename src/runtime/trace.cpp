@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 namespace hp::trace {
@@ -98,17 +99,6 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
   return spans;
 }
 
-// Module names come from the user's model: quoted for the format they are written in.
-std::string json_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    out += c;
-  }
-  return out;
-}
-
 std::string xml_escape(const std::string& text) {
   std::string out;
   for (char c : text) {
@@ -168,26 +158,31 @@ std::string describe(const Event& event) {
 
 std::string to_chrome_json(const std::vector<Event>& events, int rank) {
   static const char* lanes[] = {"compute", "all-gather", "reduce-scatter", "all-reduce"};
-  std::ostringstream out;
-  out << "{\"traceEvents\":[";
-  bool first = true;
+  nlohmann::json trace_events = nlohmann::json::array();
   for (int lane = 0; lane < 4; ++lane) {
-    out << (first ? "" : ",") << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << rank
-        << ",\"tid\":" << lane << ",\"args\":{\"name\":\"" << lanes[lane] << "\"}}";
-    first = false;
+    trace_events.push_back({{"name", "thread_name"},
+                            {"ph", "M"},
+                            {"pid", rank},
+                            {"tid", lane},
+                            {"args", {{"name", lanes[lane]}}}});
   }
+  const auto span = [&](const std::string& name, int lane, double begin, double end) {
+    trace_events.push_back({{"name", name},
+                            {"ph", "X"},
+                            {"pid", rank},
+                            {"tid", lane},
+                            {"ts", begin},
+                            {"dur", end - begin}});
+  };
   for (const Span& s : spans_of(events)) {
-    out << ",{\"name\":\"" << json_escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
-        << ",\"tid\":" << s.lane << ",\"ts\":" << s.begin << ",\"dur\":" << (s.end - s.begin)
-        << "}";
-    if (s.wait_begin >= 0) {
-      out << ",{\"name\":\"wait " << json_escape(s.label) << "\",\"ph\":\"X\",\"pid\":" << rank
-          << ",\"tid\":" << s.lane << ",\"ts\":" << s.wait_begin
-          << ",\"dur\":" << (s.end - s.wait_begin) << "}";
-    }
+    span(s.label, s.lane, s.begin, s.end);
+    if (s.wait_begin >= 0) span("wait " + s.label, s.lane, s.wait_begin, s.end);
   }
-  out << "]}\n";
-  return out.str();
+  // Module names come from the user's model; dump() escapes them (and replaces bytes that
+  // are not UTF-8 instead of failing).
+  return nlohmann::json{{"traceEvents", trace_events}}.dump(
+             -1, ' ', false, nlohmann::json::error_handler_t::replace) +
+         "\n";
 }
 
 std::string to_svg(const std::vector<Event>& events, const std::string& title) {
