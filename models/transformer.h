@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "hyperparallel/checkpoint.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/recompute.h"
 
 namespace hp::models {
 
@@ -170,9 +170,9 @@ struct TransformerImpl : torch::nn::Module {
     at::Tensor positions = torch::arange(tokens.size(1), tokens.options());
     at::Tensor h = tok_embeddings(tokens) + pos_embeddings(positions);
     for (size_t i = 0; i < layers.size(); ++i) {
-      if (i < checkpoint_layers.size() && checkpoint_layers[i]) {
-        h = hp::checkpoint([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
-                           {.impl = *checkpoint_layers[i]});
+      if (i < recompute_layers.size() && recompute_layers[i]) {
+        h = hp::recompute([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
+                          {.impl = *recompute_layers[i]});
       } else {
         h = layers[i](h);
       }
@@ -184,9 +184,9 @@ struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok_embeddings{nullptr}, pos_embeddings{nullptr};
   std::vector<hp::Sharded<DecoderBlock>> layers;
   RMSNorm norm{nullptr};
-  // Activation checkpointing of layer i when checkpoint_layers[i] is set (missing
+  // Activation recomputation of layer i when recompute_layers[i] is set (missing
   // entries: none).
-  std::vector<std::optional<hp::CheckpointImpl>> checkpoint_layers;
+  std::vector<std::optional<hp::RecomputeImpl>> recompute_layers;
 
  private:
   static const TransformerConfig& checked(const TransformerConfig& config) {

@@ -7,11 +7,12 @@
 
 namespace hp::testing {
 
-// "no error" when the call returns normally.
-inline std::string error_of(const std::function<void()>& call) {
+// "no error" when the call returns normally; an exception that is not an E propagates.
+template <typename E = std::exception>
+std::string error_of(const std::function<void()>& call) {
   try {
     call();
-  } catch (const std::exception& error) {
+  } catch (const E& error) {
     return error.what();
   }
   return "no error";

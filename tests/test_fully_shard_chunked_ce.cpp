@@ -10,7 +10,7 @@
 //                                                unchunked one within 1e-6;
 //   global grad norm, output-layer (tied embedding) grad norm and every gradient
 //                                                within 1e-5.
-// The sharded model checkpoints each chunk (the reference does not), so that its backward
+// The sharded model recomputes each chunk (the reference does not), so that its backward
 // too holds one chunk's logits at a time.
 #include <malloc.h>
 #include <torch/torch.h>
@@ -21,7 +21,7 @@
 
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
-#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/recompute.h"
 #include "models/transformer.h"
 
 namespace hp {
@@ -55,16 +55,16 @@ struct ChunkedCeLmImpl : torch::nn::Module {
             logits, chunk_targets,
             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))};
       };
-      // Without checkpointing autograd keeps every chunk's log-probabilities for backward.
+      // Without recomputation autograd keeps every chunk's log-probabilities for backward.
       const std::vector<at::Tensor> in{hidden.narrow(0, start, kChunk), lm->tok_embeddings->weight};
-      sums.push_back(checkpoint_chunks ? checkpoint(chunk_loss, in, {.impl = *checkpoint_chunks})[0]
-                                       : chunk_loss(in)[0]);
+      sums.push_back(recompute_chunks ? recompute(chunk_loss, in, {.impl = *recompute_chunks})[0]
+                                      : chunk_loss(in)[0]);
     }
     return torch::stack(sums);
   }
 
   Transformer lm;
-  std::optional<CheckpointImpl> checkpoint_chunks;
+  std::optional<RecomputeImpl> recompute_chunks;
 };
 TORCH_MODULE(ChunkedCeLm);
 
@@ -101,7 +101,7 @@ HP_DIST_TEST_WITH_TIMEOUT(FullyShardChunkedCe, L3_05_ChunkedCrossEntropyFsdp1D, 
   // chunks 2r and 2r + 1); each chunk spans two sequences.
   const int64_t global_batch = 8;
   auto [reference, model] = testing::build_from_seed<ChunkedCeLm>(42, config);
-  model->checkpoint_chunks = CheckpointImpl::kNonReentrant;
+  model->recompute_chunks = RecomputeImpl::kNonReentrant;
   testing::ShardedParts parts =
       testing::shard_blocks_then_root(model->lm->layers, model, "lm.layers.");
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3));

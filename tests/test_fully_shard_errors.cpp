@@ -47,8 +47,7 @@ HP_DIST_TEST(FullyShardErrors, BadInputIsExplained, 2) {
 
   FSDPModule block = fully_shard(model->blocks[0]);
   EXPECT_ERROR(fully_shard(model->blocks[0]), "already applied");
-  EXPECT_ERROR(block.set_reduce_op_type("max"), "\"sum\" or \"avg\"");
-  EXPECT_ERROR(block.set_reduce_op_type("mean-ish"), "unknown reduce op");
+  EXPECT_ERROR(block.set_reduce_op_type(ReduceOp::kMax), "ReduceOp::kSum or ReduceOp::kAvg");
   EXPECT_ERROR(block.set_gradient_divide_factor(0), "must be positive");
   EXPECT_ERROR(block.full_tensor("fc9.weight"), "no parameter 'fc9.weight'");
 

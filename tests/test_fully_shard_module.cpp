@@ -170,14 +170,14 @@ HP_DIST_TEST(FullyShardModule, L1_03_SetReduceOpType, 2) {
   const double world = 2;
   torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (const std::string op : {"sum", "avg", "sum"}) {
-    SCOPED_TRACE(op);
+  for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kSum}) {
+    SCOPED_TRACE(to_string(op));
     opt.zero_grad();
     ref_opt.zero_grad();
     f.root->set_reduce_op_type(op);
-    f.loss(op == "avg" ? 1 : 2, /*reference_too=*/true).backward();
+    f.loss(op == ReduceOp::kAvg ? 1 : 2, /*reference_too=*/true).backward();
     auto expected = testing::reference_grads(*f.reference);
-    if (op == "sum") {
+    if (op == ReduceOp::kSum) {
       for (auto& [name, grad] : expected) grad = grad * world;
       for (auto& p : f.reference->parameters()) p.mutable_grad().mul_(world);
     }

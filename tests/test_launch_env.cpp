@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <stdexcept>
 
+#include "error_of.h"
 #include "hyperparallel/launch_env.h"
 
 namespace hp {
@@ -21,12 +23,7 @@ class LaunchEnvTest : public ::testing::Test {
     setenv("MASTER_PORT", "29500", 1);
   }
   static std::string error_of() {
-    try {
-      LaunchEnv::from_environment();
-    } catch (const std::invalid_argument& error) {
-      return error.what();
-    }
-    return "";
+    return testing::error_of<std::invalid_argument>([] { LaunchEnv::from_environment(); });
   }
 };
 

@@ -20,7 +20,8 @@
 #include <thread>
 #include <vector>
 
-#include "hyperparallel/launcher.h"
+#include "error_of.h"
+#include "launcher/launcher.h"
 #include "program_run.h"
 
 #ifndef HP_RUN_PATH
@@ -135,12 +136,7 @@ ProgramRun run_hp_run(const std::string& args) {
 }
 
 std::string what_of(const hp::LaunchOptions& options) {
-  try {
-    hp::launch_local(options);
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "(no exception)";
+  return hp::testing::error_of<std::runtime_error>([&] { hp::launch_local(options); });
 }
 
 TEST(Launcher, EveryRankGetsTorchrunEnvironment) {

@@ -6,9 +6,9 @@
 
 namespace hp::trainer {
 
-std::optional<CheckpointImpl> TrainOptions::checkpoint_impl() const {
-  if (checkpoint == "reentrant") return CheckpointImpl::kReentrant;
-  if (checkpoint == "non-reentrant") return CheckpointImpl::kNonReentrant;
+std::optional<RecomputeImpl> TrainOptions::recompute_impl() const {
+  if (recompute == "reentrant") return RecomputeImpl::kReentrant;
+  if (recompute == "non-reentrant") return RecomputeImpl::kNonReentrant;
   return std::nullopt;
 }
 
@@ -94,7 +94,7 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_flag("--comm-fusion", o.comm_fusion,
                "one all-gather / reduce-scatter per module instead of per parameter")
       ->group("Parallelism");
-  app.add_option("--checkpoint", o.checkpoint, "activation checkpointing of every block")
+  app.add_option("--recompute", o.recompute, "activation recomputation of every block")
       ->check(CLI::IsMember({"none", "reentrant", "non-reentrant"}))
       ->group("Parallelism");
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/recompute.h"
 
 namespace hp::trainer {
 
@@ -29,7 +29,7 @@ struct TrainOptions {
   std::string mesh = "2x2";  // RxS: replicas x shards
   std::string mp = "none";   // none | bf16
   bool comm_fusion = false;
-  std::string checkpoint = "none";  // activation checkpointing: none | reentrant | non-reentrant
+  std::string recompute = "none";  // activation recomputation: none | reentrant | non-reentrant
   // Evaluation and output
   int64_t log_every = 0;   // 0: about 20 lines per run
   int64_t eval_every = 0;  // 0: about 5 evaluations per run
@@ -48,7 +48,7 @@ struct TrainOptions {
   // Derived from `mesh`
   int64_t replicate = 2;
   int64_t shard = 2;
-  std::optional<CheckpointImpl> checkpoint_impl() const;
+  std::optional<RecomputeImpl> recompute_impl() const;
 };
 
 struct ParsedOptions {

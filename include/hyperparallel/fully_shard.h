@@ -23,6 +23,7 @@
 #include <variant>
 #include <vector>
 
+#include "hyperparallel/collectives.h"
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/placement.h"
@@ -53,7 +54,8 @@ struct FullyShardOptions {
   OffloadPolicy offload_policy;
   // Left exactly as they are: not sharded, not reduced.
   std::vector<at::Tensor> ignored_params;
-  // Kept whole on every rank; gradients all-reduced over the data-parallel ranks.
+  // Kept whole on every rank; gradients all-reduced over the data-parallel ranks. The same
+  // as shard_placement_fn returning Replicate() for them (and it wins over the function).
   std::vector<at::Tensor> replicate_params;
   // One all-gather / reduce-scatter per module (with copy-in / copy-out) instead of
   // one per parameter.
@@ -93,8 +95,8 @@ class FSDPModule {
   // forward the module that followed them in the previous iteration, in backward the
   // one that preceded them in this iteration's forward. Set on the root.
   void set_implicit_prefetch(bool value);
-  // "avg" (default: divide by the data-parallel size) or "sum".
-  void set_reduce_op_type(const std::string& op);
+  // ReduceOp::kAvg (default: divide by the data-parallel size) or ReduceOp::kSum.
+  void set_reduce_op_type(ReduceOp op);
   // Divide reduced gradients by this instead (overrides the reduce op's division).
   void set_gradient_divide_factor(double factor);
   // Clears sharded gradients, fp32 main grads and gradients kept for accumulation.

@@ -16,7 +16,7 @@ struct MixedPrecisionPolicy {
   std::optional<c10::ScalarType> output_dtype;
   // cast floating-point forward inputs to param_dtype before the module's forward.
   bool cast_forward_inputs = true;
-  // accumulate reduced gradients in an fp32 main_grad (see hp::main_grad) that becomes
+  // accumulate reduced gradients in an fp32 copy kept with the shard, which becomes
   // param.grad, whatever the parameter's own dtype.
   bool apply_grad_on_fp32_main_grad = false;
 };

@@ -14,7 +14,7 @@ enum class Kind { kBegin, kEnd, kIssue, kWaitBegin, kWaitEnd };
 
 struct Event {
   Kind kind;
-  // "forward", "backward", "recompute" (activation checkpointing reruns a forward inside
+  // "forward", "backward", "recompute" (activation recomputation reruns a forward inside
   // backward), "all_gather", "reduce_scatter", "all_reduce"
   std::string op;
   std::string module;  // the fully_shard-ed module ("root", "layers.0", ...)

@@ -1,22 +1,12 @@
 #include "checkpoint_sink.h"
 
-#include <cstdlib>
 #include <stdexcept>
 
-#include "hyperparallel/launch_env.h"
-
 namespace hp::detail {
-namespace {
 
-bool writes_checkpoints() {
-  return std::getenv("RANK") == nullptr || LaunchEnv::from_environment().rank == 0;
-}
-
-}  // namespace
-
-CheckpointSink::CheckpointSink(const std::string& path, std::string caller)
+CheckpointSink::CheckpointSink(bool writes, const std::string& path, std::string caller)
     : caller_(std::move(caller)) {
-  if (!writes_checkpoints()) return;
+  if (!writes) return;
   try {
     writer_.emplace(path);
   } catch (const std::exception& error) {

@@ -1,7 +1,6 @@
 #pragma once
-// The file a full checkpoint streams into, on the rank that writes it: the launch's rank 0
-// (RANK; a process without RANK writes). The other ranks gather the same tensors and
-// drop them.
+// The file a full checkpoint streams into, on the rank that writes it (see
+// writes_whole_tensors). The other ranks gather the same tensors and drop them.
 //
 // A write error is kept and thrown by finish(), after the save's collectives have run:
 // throwing at once would leave the other ranks waiting in the next gather.
@@ -17,7 +16,8 @@ namespace hp::detail {
 
 class CheckpointSink {
  public:
-  CheckpointSink(const std::string& path, std::string caller);
+  // `writes`: whether this rank writes the file.
+  CheckpointSink(bool writes, const std::string& path, std::string caller);
   // Writes `whole` as entry `name` on the writing rank; does nothing on the others or
   // after an error.
   void write(const std::string& name, const at::Tensor& whole);

@@ -22,7 +22,7 @@ detail::FSDPParam* find_sharded(detail::FSDPState& state, const std::string& nam
   return nullptr;
 }
 
-// The whole tensor from every rank's padded shard (a collective over the shard group).
+// The names of the parameters a module manages, for error messages.
 std::string known_names(detail::FSDPState& state) {
   std::string names;
   for (const auto& p : state.group().params()) names += (names.empty() ? "" : ", ") + p->name();
@@ -74,9 +74,8 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 
 void FSDPModule::set_implicit_prefetch(bool value) { state_->set_implicit_prefetch(value); }
 
-void FSDPModule::set_reduce_op_type(const std::string& op) {
-  const ReduceOp parsed = parse_reduce_op(op);
-  for (auto& s : state_->subtree()) s->set_reduce_op(parsed);
+void FSDPModule::set_reduce_op_type(ReduceOp op) {
+  for (auto& s : state_->subtree()) s->set_reduce_op(op);
 }
 
 void FSDPModule::set_gradient_divide_factor(double factor) {

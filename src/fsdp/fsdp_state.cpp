@@ -28,7 +28,7 @@ void for_each_live(const std::vector<std::weak_ptr<FSDPState>>& states, Visit vi
   }
 }
 
-// A forward that runs while autograd executes a backward is activation checkpointing
+// A forward that runs while autograd executes a backward is activation recomputation
 // recomputing it.
 bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
@@ -54,8 +54,9 @@ bool FSDPState::reshard_after_forward() const {
 
 void FSDPState::set_reduce_op(ReduceOp op) {
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
-    throw std::invalid_argument("gradients are reduced with \"sum\" or \"avg\", not \"" +
-                                to_string(op) + "\"");
+    throw std::invalid_argument(
+        "gradients are reduced with ReduceOp::kSum or ReduceOp::kAvg, not \"" + to_string(op) +
+        "\"");
   }
   reduce_op_ = op;
 }
@@ -212,7 +213,7 @@ void FSDPState::recompute_pre_forward(const std::vector<at::Tensor*>& inputs) {
   group_->unshard(/*async=*/true);
   group_->wait_for_unshard();
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
-  // A reentrant checkpoint backpropagates through the recompute (a nested backward):
+  // A reentrant recompute backpropagates through the recompute (a nested backward):
   // this module's gradients are reduced from there.
   if (graph_will_be_backpropagated() && register_post_backward_hook(inputs, weak_from_this())) {
     ++post_backward_hooks_pending_;

@@ -70,7 +70,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   void post_backward();
-  // Activation checkpointing reruns forwards inside backward.
+  // Activation recomputation reruns forwards inside backward.
   void recompute_pre_forward(const std::vector<at::Tensor*>& inputs);
   void recompute_post_forward(const std::vector<at::Tensor*>& outputs);
   void lazy_init_as_root();

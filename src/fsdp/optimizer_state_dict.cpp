@@ -245,7 +245,8 @@ void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
 
 void save_full_optimizer_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const std::string& path) {
-  detail::CheckpointSink sink(path, "save_full_optimizer_checkpoint");
+  detail::CheckpointSink sink(detail::writes_whole_tensors(model), path,
+                              "save_full_optimizer_checkpoint");
   for_each_full_optimizer_tensor(
       model, optimizer, "save_full_optimizer_checkpoint",
       [&](const std::string& name, const at::Tensor& whole) { sink.write(name, whole); });

@@ -1,5 +1,5 @@
 #pragma once
-// Marks a forward that activation checkpointing reruns only to recover saved tensors
+// Marks a forward that activation recomputation reruns only to recover saved tensors
 // (the non-reentrant kind): the graph it builds is thrown away, so fully_shard must not
 // hang backward hooks on it.
 

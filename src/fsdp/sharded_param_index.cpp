@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "fsdp_state.h"
+#include "param_group.h"
 #include "state_registry.h"
 
 namespace hp::detail {
@@ -31,6 +32,13 @@ std::vector<ModelParam> model_params(torch::nn::Module& model) {
     params.push_back(std::move(param));
   }
   return params;
+}
+
+bool writes_whole_tensors(torch::nn::Module& model) {
+  for (const ModelParam& p : model_params(model)) {
+    if (p.shard) return p.shard->comm->data_parallel->rank() == 0;
+  }
+  return true;
 }
 
 void require_sharded(const ShardedParam& p, const std::string& name, const char* caller) {

@@ -34,6 +34,11 @@ struct ModelParam {
 // The parameters of `model`, in its order.
 std::vector<ModelParam> model_params(torch::nn::Module& model);
 
+// Whether this process writes the files of `model`'s whole tensors: the first of the
+// data-parallel ranks its fully_shard calls span (so each pipeline stage writes its own).
+// A model fully_shard does not manage is written by every process that asks.
+bool writes_whole_tensors(torch::nn::Module& model);
+
 // Throws std::logic_error naming `caller` when the parameter holds unsharded data now.
 void require_sharded(const ShardedParam& p, const std::string& name, const char* caller);
 

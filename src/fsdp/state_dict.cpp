@@ -114,7 +114,7 @@ void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool 
 }
 
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path) {
-  detail::CheckpointSink sink(path, "save_full_checkpoint");
+  detail::CheckpointSink sink(detail::writes_whole_tensors(model), path, "save_full_checkpoint");
   for_each_full_tensor(
       model, "save_full_checkpoint",
       [&](const std::string& name, const at::Tensor& whole) { sink.write(name, whole); });

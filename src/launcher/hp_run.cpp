@@ -1,5 +1,5 @@
 // hp-run: starts N local ranks of a program with a torchrun-compatible environment and
-// stops all of them as soon as one fails (see hyperparallel/launcher.h); with
+// stops all of them as soon as one fails (see launcher.h); with
 // --max-restarts, starts all of them again after a failure.
 
 #include <CLI/CLI.hpp>
@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "hyperparallel/launcher.h"
+#include "launcher.h"
 
 namespace {
 

@@ -206,7 +206,7 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
   }
   for (const Span& s : spans) {
     // The root's compute span encloses the blocks' spans: draw it as a thin bar above.
-    // A recompute (activation checkpointing) runs inside a backward span: a thin bar
+    // A recompute (activation recomputation) runs inside a backward span: a thin bar
     // below. A white outline keeps back-to-back spans (blocks of a forward) apart.
     const bool enclosing = s.lane == 0 && s.label == "root";
     const bool recompute = s.op == "recompute";

@@ -14,8 +14,7 @@ thread_local std::vector<SavedTensorHooksFactory> active_factories;
 // The base engine, except that it hands out this thread's innermost hooks.
 class SavedTensorHooksEngine final : public torch::autograd::Engine {
  public:
-  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
-      override {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
     if (active_factories.empty()) return nullptr;
     return active_factories.back()();
   }
@@ -33,9 +32,9 @@ void install_hooks_engine() {
     using torch::autograd::Engine;
     if (&Engine::get_default_engine() != &Engine::get_base_engine()) {
       throw std::runtime_error(
-          "saved-tensor hooks (non-reentrant activation checkpointing) need LibTorch's "
+          "saved-tensor hooks (non-reentrant activation recomputation) need LibTorch's "
           "own autograd engine, but another one is installed (Python's, when torch is "
-          "imported into this process); use CheckpointImpl::kReentrant there");
+          "imported into this process); use RecomputeImpl::kReentrant there");
     }
     torch::autograd::set_default_engine_stub(&hooks_engine);
   });

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "hyperparallel/collectives.h"
-#include "hyperparallel/launcher.h"
+#include "launcher/launcher.h"
 
 namespace hp::testing {
 namespace {

@@ -1,4 +1,4 @@
-// Activation checkpointing against plain LibTorch running the same function without it:
+// Activation recomputation against plain LibTorch running the same function without it:
 // outputs and gradients must match bit for bit, the region must really run again in
 // backward, and what the options promise (random draws replayed, activations not kept,
 // a changed rerun reported) must hold.
@@ -11,14 +11,14 @@
 #include <vector>
 
 #include "error_of.h"
-#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/recompute.h"
 
 namespace hp {
 
-// Found by gtest through ADL, so it lives beside CheckpointImpl: CTest names each
+// Found by gtest through ADL, so it lives beside RecomputeImpl: CTest names each
 // parameterized test after this (ctest -R NonReentrant).
-void PrintTo(CheckpointImpl impl, std::ostream* out) {
-  *out << (impl == CheckpointImpl::kNonReentrant ? "NonReentrant" : "Reentrant");
+void PrintTo(RecomputeImpl impl, std::ostream* out) {
+  *out << (impl == RecomputeImpl::kNonReentrant ? "NonReentrant" : "Reentrant");
 }
 
 namespace {
@@ -71,30 +71,30 @@ std::vector<at::Tensor> with_input(const at::Tensor& x, std::vector<at::Tensor> 
 
 using testing::error_of;
 
-class Checkpoint : public ::testing::TestWithParam<CheckpointImpl> {
+class Recompute : public ::testing::TestWithParam<RecomputeImpl> {
  protected:
-  CheckpointOptions options(bool preserve_rng_state = true) const {
+  RecomputeOptions options(bool preserve_rng_state = true) const {
     return {.impl = GetParam(), .preserve_rng_state = preserve_rng_state};
   }
 };
 
-INSTANTIATE_TEST_SUITE_P(Impl, Checkpoint,
-                         ::testing::Values(CheckpointImpl::kNonReentrant,
-                                           CheckpointImpl::kReentrant));
+INSTANTIATE_TEST_SUITE_P(Impl, Recompute,
+                         ::testing::Values(RecomputeImpl::kNonReentrant,
+                                           RecomputeImpl::kReentrant));
 
-TEST_P(Checkpoint, OutputAndGradientsMatchPlainLibTorch) {
+TEST_P(Recompute, OutputAndGradientsMatchPlainLibTorch) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
   const auto leaves = with_input(x, mlp.parameters());
   const Result expected = run(leaves, [&] { return mlp(x); });
   const Result actual = run(leaves, [&] {
-    return checkpoint([&](const at::Tensor& in) { return mlp(in); }, x, options());
+    return recompute([&](const at::Tensor& in) { return mlp(in); }, x, options());
   });
   expect_equal(actual, expected);
 }
 
-TEST_P(Checkpoint, RegionRunsAgainOnceInBackward) {
+TEST_P(Recompute, RegionRunsAgainOnceInBackward) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -103,18 +103,18 @@ TEST_P(Checkpoint, RegionRunsAgainOnceInBackward) {
     ++calls;
     return mlp(in);
   };
-  const at::Tensor y = checkpoint(counted, x, options());
+  const at::Tensor y = recompute(counted, x, options());
   EXPECT_EQ(calls, 1);
   y.sum().backward();
   EXPECT_EQ(calls, 2);
 
   calls = 0;
   torch::NoGradGuard no_grad;
-  EXPECT_FALSE(checkpoint(counted, x, options()).requires_grad());
+  EXPECT_FALSE(recompute(counted, x, options()).requires_grad());
   EXPECT_EQ(calls, 1);
 }
 
-TEST_P(Checkpoint, DropoutMasksAreReplayedAndTheGeneratorContinues) {
+TEST_P(Recompute, DropoutMasksAreReplayedAndTheGeneratorContinues) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -138,35 +138,35 @@ TEST_P(Checkpoint, DropoutMasksAreReplayedAndTheGeneratorContinues) {
   const at::Tensor expected_after = torch::rand({16});
   const at::Tensor expected_between = between;
 
-  const Result replayed = seeded_run([&] { return checkpoint(block, x, options()); });
+  const Result replayed = seeded_run([&] { return recompute(block, x, options()); });
   expect_equal(replayed, expected);
   EXPECT_TRUE(torch::equal(torch::rand({16}), expected_after));
   EXPECT_TRUE(torch::equal(between, expected_between));
 
   // Without the replay the rerun draws other masks: the option is not ignored.
-  const Result redrawn = seeded_run([&] { return checkpoint(block, x, options(false)); });
+  const Result redrawn = seeded_run([&] { return recompute(block, x, options(false)); });
   EXPECT_TRUE(torch::equal(redrawn.output, expected.output));
   EXPECT_FALSE(torch::equal(redrawn.grads[0], expected.grads[0])) << "input grad";
   EXPECT_FALSE(torch::equal(redrawn.grads[3], expected.grads[3])) << "fc2 weight grad";
 }
 
-TEST_P(Checkpoint, OneTensorFormMatchesVectorForm) {
+TEST_P(Recompute, OneTensorFormMatchesVectorForm) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
   const auto leaves = with_input(x, mlp.parameters());
   const Result vector_form = run(leaves, [&] {
-    return checkpoint(
+    return recompute(
         [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{mlp(in[0])}; }, {x},
         options())[0];
   });
   const Result tensor_form = run(leaves, [&] {
-    return checkpoint([&](const at::Tensor& in) { return mlp(in); }, x, options());
+    return recompute([&](const at::Tensor& in) { return mlp(in); }, x, options());
   });
   expect_equal(tensor_form, vector_form);
 }
 
-TEST_P(Checkpoint, SeveralInputsAndOutputs) {
+TEST_P(Recompute, SeveralInputsAndOutputs) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -182,11 +182,11 @@ TEST_P(Checkpoint, SeveralInputsAndOutputs) {
     return out[0] * out[1].unsqueeze(1);
   };
   const Result expected = run(leaves, [&] { return combine(block({x, z})); });
-  const Result actual = run(leaves, [&] { return combine(checkpoint(block, {x, z}, options())); });
+  const Result actual = run(leaves, [&] { return combine(recompute(block, {x, z}, options())); });
   expect_equal(actual, expected);
 }
 
-TEST_P(Checkpoint, ActivationsAreNotKeptAfterForward) {
+TEST_P(Recompute, ActivationsAreNotKeptAfterForward) {
   torch::manual_seed(0);
   const at::Tensor w = (torch::randn({256, 256}) / 16).requires_grad_();
   const at::Tensor x = torch::randn({256, 256}).requires_grad_();
@@ -222,7 +222,7 @@ TEST_P(Checkpoint, ActivationsAreNotKeptAfterForward) {
   activations.clear();
   watch = true;
   const Result actual = run({x, w}, [&] {
-    at::Tensor y = checkpoint(chain, x, options());
+    at::Tensor y = recompute(chain, x, options());
     watch = false;
     EXPECT_EQ(activations.size(), static_cast<size_t>(kLayers - 1));
     EXPECT_EQ(live_bytes(), 0u);
@@ -231,7 +231,7 @@ TEST_P(Checkpoint, ActivationsAreNotKeptAfterForward) {
   expect_equal(actual, expected);
 }
 
-TEST(CheckpointNonReentrant, AutogradGradMatches) {
+TEST(RecomputeNonReentrant, AutogradGradMatches) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -239,25 +239,25 @@ TEST(CheckpointNonReentrant, AutogradGradMatches) {
     return torch::autograd::grad({y.pow(2).sum()}, {x, mlp.fc1->weight});
   };
   const auto expected = grads_of(mlp(x));
-  const auto actual = grads_of(checkpoint([&](const at::Tensor& in) { return mlp(in); }, x));
+  const auto actual = grads_of(recompute([&](const at::Tensor& in) { return mlp(in); }, x));
   ASSERT_EQ(actual.size(), 2u);
   EXPECT_TRUE(torch::equal(actual[0], expected[0]));
   EXPECT_TRUE(torch::equal(actual[1], expected[1]));
   EXPECT_FALSE(mlp.fc1->weight.grad().defined()) << "grad() must not accumulate";
 }
 
-TEST(CheckpointNonReentrant, InputWithoutGradStillGivesParameterGradients) {
+TEST(RecomputeNonReentrant, InputWithoutGradStillGivesParameterGradients) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8});
   const auto leaves = mlp.parameters();
   const Result expected = run(leaves, [&] { return mlp(x); });
   const Result actual =
-      run(leaves, [&] { return checkpoint([&](const at::Tensor& in) { return mlp(in); }, x); });
+      run(leaves, [&] { return recompute([&](const at::Tensor& in) { return mlp(in); }, x); });
   expect_equal(actual, expected);
 }
 
-TEST(CheckpointNonReentrant, NestedCheckpoint) {
+TEST(RecomputeNonReentrant, NestedRecompute) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -265,13 +265,13 @@ TEST(CheckpointNonReentrant, NestedCheckpoint) {
   const auto inner = [&](const at::Tensor& in) { return torch::gelu(mlp.fc1(in)); };
   const Result expected = run(leaves, [&] { return torch::tanh(mlp.fc2(inner(x))); });
   const Result actual = run(leaves, [&] {
-    return checkpoint(
-        [&](const at::Tensor& in) { return torch::tanh(mlp.fc2(checkpoint(inner, in))); }, x);
+    return recompute(
+        [&](const at::Tensor& in) { return torch::tanh(mlp.fc2(recompute(inner, in))); }, x);
   });
   expect_equal(actual, expected);
 }
 
-TEST(CheckpointNonReentrant, BackwardTwiceThroughARetainedGraph) {
+TEST(RecomputeNonReentrant, BackwardTwiceThroughARetainedGraph) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
@@ -279,46 +279,46 @@ TEST(CheckpointNonReentrant, BackwardTwiceThroughARetainedGraph) {
   const Result once = run(leaves, [&] { return mlp(x); });
   const Result expected = run(leaves, [&] { return mlp(x); }, 2);
   const Result actual =
-      run(leaves, [&] { return checkpoint([&](const at::Tensor& in) { return mlp(in); }, x); }, 2);
+      run(leaves, [&] { return recompute([&](const at::Tensor& in) { return mlp(in); }, x); }, 2);
   expect_equal(actual, expected);
   for (size_t i = 0; i < once.grads.size(); ++i) {
     EXPECT_TRUE(torch::equal(actual.grads[i], 2 * once.grads[i])) << "leaf " << i;
   }
 }
 
-TEST(CheckpointNonReentrant, RerunThatSavesOtherTensorsIsReported) {
+TEST(RecomputeNonReentrant, RerunThatSavesOtherTensorsIsReported) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
   bool changed = false;
   // The rerun sees fewer rows: what it saves for backward has another shape.
-  const at::Tensor y = checkpoint(
+  const at::Tensor y = recompute(
       [&](const at::Tensor& in) { return mlp(changed ? in.narrow(0, 0, 2) : in).sum(0); }, x);
   changed = true;
   const std::string what = error_of([&] { y.sum().backward(); });
   EXPECT_NE(what.find("recomputed"), std::string::npos) << "what(): " << what;
 }
 
-TEST(CheckpointReentrant, AutogradGradIsRefused) {
+TEST(RecomputeReentrant, AutogradGradIsRefused) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
-  const at::Tensor y = checkpoint([&](const at::Tensor& in) { return mlp(in); }, x,
-                                  {.impl = CheckpointImpl::kReentrant});
+  const at::Tensor y = recompute([&](const at::Tensor& in) { return mlp(in); }, x,
+                                 {.impl = RecomputeImpl::kReentrant});
   const std::string what = error_of([&] { torch::autograd::grad({y.sum()}, {x}); });
   EXPECT_NE(what.find("reentrant"), std::string::npos) << "what(): " << what;
 }
 
-TEST(CheckpointReentrant, NeedsAnInputThatRequiresGrad) {
+TEST(RecomputeReentrant, NeedsAnInputThatRequiresGrad) {
   torch::manual_seed(0);
   Mlp mlp;
   const at::Tensor x = torch::randn({5, 8});
   const auto block = [&](const at::Tensor& in) { return mlp(in); };
-  const CheckpointOptions reentrant{.impl = CheckpointImpl::kReentrant};
-  EXPECT_THROW(checkpoint(block, x, reentrant), std::invalid_argument);
+  const RecomputeOptions reentrant{.impl = RecomputeImpl::kReentrant};
+  EXPECT_THROW(recompute(block, x, reentrant), std::invalid_argument);
   // Without autograd there is no backward to miss the parameters.
   torch::NoGradGuard no_grad;
-  EXPECT_NO_THROW(checkpoint(block, x, reentrant));
+  EXPECT_NO_THROW(recompute(block, x, reentrant));
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
 #pragma once
-// Activation checkpointing: run part of a forward without keeping its activations and
+// Activation recomputation: run part of a forward without keeping its activations and
 // recompute them when backward needs them. One extra forward of the region buys the
 // memory of its activations.
 //
-//   h = hp::checkpoint([&](const at::Tensor& x) { return block(x); }, h);
+//   h = hp::recompute([&](const at::Tensor& x) { return block(x); }, h);
 //
-// Composes with fully_shard in both orders. A checkpointed region may contain
+// Composes with fully_shard in both orders. A recomputed region may contain
 // fully_shard-ed modules: their recompute runs on the parameters backward gathered and
 // changes neither the prefetch order nor the gradient reductions. A fully_shard-ed
-// module may checkpoint parts of its own forward.
+// module may recompute parts of its own forward.
 //
 // The region must compute the same thing when run again: the same inputs, parameters
 // unchanged between forward and backward, random draws reproduced (preserve_rng_state).
@@ -20,7 +20,7 @@
 
 namespace hp {
 
-enum class CheckpointImpl {
+enum class RecomputeImpl {
   // Saved-tensor hooks (PyTorch's use_reentrant=False). Forward runs with autograd and
   // builds the graph, but keeps none of the tensors the graph saves. The first backward
   // node that needs one reruns the region and takes the tensors from the rerun.
@@ -34,23 +34,23 @@ enum class CheckpointImpl {
   kReentrant,
 };
 
-struct CheckpointOptions {
-  CheckpointImpl impl = CheckpointImpl::kNonReentrant;
+struct RecomputeOptions {
+  RecomputeImpl impl = RecomputeImpl::kNonReentrant;
   // Put the random generators (CPU, and the devices of the inputs) back to their
   // forward-time state for the rerun, so that dropout draws the same masks.
   bool preserve_rng_state = true;
 };
 
-using CheckpointFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+using RecomputeFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
-// Runs fn(inputs) as a checkpointed region and returns its outputs. fn is kept (by
+// Runs fn(inputs) as a recomputed region and returns its outputs. fn is kept (by
 // value) until backward has recomputed the region, so what it refers to must live that
 // long. Without autograd (no-grad mode) this is just fn(inputs).
-std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
-                                   const CheckpointOptions& options = {});
+std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::Tensor>& inputs,
+                                  const RecomputeOptions& options = {});
 
 // The one-tensor form.
-at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                      const at::Tensor& input, const CheckpointOptions& options = {});
+at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                     const at::Tensor& input, const RecomputeOptions& options = {});
 
 }  // namespace hp

@@ -1,12 +1,12 @@
-// Activation checkpointing with fully_shard on 2 ranks (test plan L2-03..L2-05), against
-// the single-process model without checkpointing on the global batch (loss, every
+// Activation recomputation with fully_shard on 2 ranks (test plan L2-03..L2-05), against
+// the single-process model without recomputation on the global batch (loss, every
 // gradient, per-layer gradient norms within 1e-5) and bitwise against the same sharded
-// training without checkpointing (losses, gradients, parameters after AdamW steps).
-//   L2-03: every decoder layer checkpointed, reentrant.
+// training without recomputation (losses, gradients, parameters after AdamW steps).
+//   L2-03: every decoder layer recomputed, reentrant.
 //   L2-04: the same, non-reentrant; and a lower peak of live CPU memory than without.
 //   L2-05: selective (layers 1 and 3): fully_shard's forward hooks run twice per step for
 //          those layers (forward, recompute) and once for the others.
-// Also the other order of composition: a fully_shard-ed module whose forward checkpoints
+// Also the other order of composition: a fully_shard-ed module whose forward recomputes
 // part of itself.
 #include <torch/torch.h>
 
@@ -16,7 +16,7 @@
 #include "cpu_memory_probe.h"
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
-#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/recompute.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
 
@@ -25,7 +25,7 @@ namespace {
 
 using models::Transformer;
 using models::TransformerConfig;
-using LayerPlan = std::vector<std::optional<CheckpointImpl>>;
+using LayerPlan = std::vector<std::optional<RecomputeImpl>>;
 
 TransformerConfig ac_config() {
   return {.vocab = 96, .dim = 64, .heads = 4, .layers = 4, .ffn_hidden = 128, .max_seq = 32};
@@ -54,7 +54,7 @@ struct StepRecord {
 std::vector<StepRecord> train_two_steps(const LayerPlan& plan, bool compare_with_reference) {
   const TransformerConfig config = ac_config();
   auto [reference, model] = testing::build_from_seed<Transformer>(42, config);
-  model->checkpoint_layers = plan;
+  model->recompute_layers = plan;
   testing::ShardedParts parts = testing::shard_blocks_then_root(model->layers, model, "layers.");
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -69,9 +69,8 @@ std::vector<StepRecord> train_two_steps(const LayerPlan& plan, bool compare_with
     opt.zero_grad();
     const testing::StepLosses losses = testing::backward_on_global_batch(
         reference, model, input, target, testing::token_cross_entropy);
-    StepRecord record{testing::mean_over_ranks(losses.local).item<double>(),
-                      testing::full_grads(parts),
-                      {}};
+    StepRecord record{
+        testing::mean_over_ranks(losses.local).item<double>(), testing::full_grads(parts), {}};
     if (compare_with_reference) {
       EXPECT_NEAR(record.loss, losses.reference.item<double>(), 1e-5) << "loss";
       auto ref_grads = testing::reference_grads(*reference);
@@ -101,28 +100,28 @@ void expect_bitwise_equal(const std::map<std::string, at::Tensor>& actual,
 }
 
 // Against the reference at the plan's tolerances, and bitwise against the same sharded
-// training without checkpointing: a recompute performs the same operations in the same
-// order, so checkpointing must not change a single bit.
-void expect_checkpointed_training_matches_reference(const LayerPlan& plan) {
-  const auto checkpointed = train_two_steps(plan, /*compare_with_reference=*/true);
+// training without recomputation: a recompute performs the same operations in the same
+// order, so recomputation must not change a single bit.
+void expect_recomputed_training_matches_reference(const LayerPlan& plan) {
+  const auto recomputed = train_two_steps(plan, /*compare_with_reference=*/true);
   const auto plain = train_two_steps({}, /*compare_with_reference=*/false);
   for (size_t step = 0; step < plain.size(); ++step) {
-    SCOPED_TRACE("step " + std::to_string(step) + " vs no checkpointing");
-    EXPECT_EQ(checkpointed[step].loss, plain[step].loss);
-    expect_bitwise_equal(checkpointed[step].grads, plain[step].grads, "grad");
-    expect_bitwise_equal(checkpointed[step].params_after_step, plain[step].params_after_step,
+    SCOPED_TRACE("step " + std::to_string(step) + " vs no recomputation");
+    EXPECT_EQ(recomputed[step].loss, plain[step].loss);
+    expect_bitwise_equal(recomputed[step].grads, plain[step].grads, "grad");
+    expect_bitwise_equal(recomputed[step].params_after_step, plain[step].params_after_step,
                          "param after step");
   }
 }
 
-LayerPlan every_layer(CheckpointImpl impl) { return LayerPlan(ac_config().layers, impl); }
+LayerPlan every_layer(RecomputeImpl impl) { return LayerPlan(ac_config().layers, impl); }
 
-HP_DIST_TEST(FullyShardWithAC, ReentrantMatchesReference, 2) {
-  expect_checkpointed_training_matches_reference(every_layer(CheckpointImpl::kReentrant));
+HP_DIST_TEST(FullyShardWithRecompute, ReentrantMatchesReference, 2) {
+  expect_recomputed_training_matches_reference(every_layer(RecomputeImpl::kReentrant));
 }
 
-HP_DIST_TEST(FullyShardWithAC, NonReentrantMatchesReference, 2) {
-  expect_checkpointed_training_matches_reference(every_layer(CheckpointImpl::kNonReentrant));
+HP_DIST_TEST(FullyShardWithRecompute, NonReentrantMatchesReference, 2) {
+  expect_recomputed_training_matches_reference(every_layer(RecomputeImpl::kNonReentrant));
 }
 
 // Peak live CPU bytes above the start of one forward + backward (sequence 64, 4 sequences
@@ -132,7 +131,7 @@ int64_t peak_bytes_of_one_step(const LayerPlan& plan) {
   config.max_seq = 64;
   torch::manual_seed(42);
   Sharded<Transformer> model(config);
-  model->checkpoint_layers = plan;
+  model->recompute_layers = plan;
   testing::shard_blocks_then_root(model->layers, model, "layers.");
   torch::manual_seed(7);
   at::Tensor tokens = torch::randint(config.vocab, {4, config.max_seq + 1});
@@ -145,10 +144,10 @@ int64_t peak_bytes_of_one_step(const LayerPlan& plan) {
   return probe.peak_above(before);
 }
 
-HP_DIST_TEST(FullyShardWithAC, CheckpointingLowersPeakMemory, 2) {
+HP_DIST_TEST(FullyShardWithRecompute, RecomputationLowersPeakMemory, 2) {
   const int64_t baseline = peak_bytes_of_one_step({});
-  const int64_t non_reentrant = peak_bytes_of_one_step(every_layer(CheckpointImpl::kNonReentrant));
-  const int64_t reentrant = peak_bytes_of_one_step(every_layer(CheckpointImpl::kReentrant));
+  const int64_t non_reentrant = peak_bytes_of_one_step(every_layer(RecomputeImpl::kNonReentrant));
+  const int64_t reentrant = peak_bytes_of_one_step(every_layer(RecomputeImpl::kReentrant));
   std::printf("peak bytes above step start: no AC %lld, non-reentrant %lld, reentrant %lld\n",
               static_cast<long long>(baseline), static_cast<long long>(non_reentrant),
               static_cast<long long>(reentrant));
@@ -156,17 +155,17 @@ HP_DIST_TEST(FullyShardWithAC, CheckpointingLowersPeakMemory, 2) {
   EXPECT_LT(reentrant, baseline);
 }
 
-HP_DIST_TEST(FullyShardWithAC, SelectiveCheckpointRecomputesOnlyThoseLayers, 2) {
+HP_DIST_TEST(FullyShardWithRecompute, SelectiveRecomputeRunsOnlyThoseLayers, 2) {
   LayerPlan plan(ac_config().layers);
-  plan[1] = plan[3] = CheckpointImpl::kNonReentrant;
-  expect_checkpointed_training_matches_reference(plan);
+  plan[1] = plan[3] = RecomputeImpl::kNonReentrant;
+  expect_recomputed_training_matches_reference(plan);
 
   // One traced step: fully_shard's forward hook runs for the forward and, in
-  // checkpointed layers only, for the recompute.
+  // recomputed layers only, for the recompute.
   const TransformerConfig config = ac_config();
   torch::manual_seed(42);
   Sharded<Transformer> model(config);
-  model->checkpoint_layers = plan;
+  model->recompute_layers = plan;
   testing::shard_blocks_then_root(model->layers, model, "layers.");
   at::Tensor tokens = torch::randint(config.vocab, {2, config.max_seq + 1});
   trace::start();
@@ -175,7 +174,9 @@ HP_DIST_TEST(FullyShardWithAC, SelectiveCheckpointRecomputesOnlyThoseLayers, 2) 
       .backward();
   std::vector<std::string> events;
   for (const auto& event : trace::stop()) events.push_back(trace::describe(event));
-  auto count = [&](const std::string& line) { return std::count(events.begin(), events.end(), line); };
+  auto count = [&](const std::string& line) {
+    return std::count(events.begin(), events.end(), line);
+  };
   auto position = [&](const std::string& line) {
     return std::find(events.begin(), events.end(), line) - events.begin();
   };
@@ -194,30 +195,30 @@ HP_DIST_TEST(FullyShardWithAC, SelectiveCheckpointRecomputesOnlyThoseLayers, 2) 
   EXPECT_LT(position("RS issue layers.3"), position("backward begin layers.1"));
 }
 
-// A block that checkpoints its own MLP: fully_shard outside, checkpoint inside.
-struct SelfCheckpointingBlockImpl : torch::nn::Module {
-  SelfCheckpointingBlockImpl(int64_t dim, std::optional<CheckpointImpl> impl)
+// A block that recomputes its own MLP: fully_shard outside, recompute inside.
+struct SelfRecomputingBlockImpl : torch::nn::Module {
+  SelfRecomputingBlockImpl(int64_t dim, std::optional<RecomputeImpl> impl)
       : fc1(register_module("fc1", torch::nn::Linear(dim, 2 * dim))),
         fc2(register_module("fc2", torch::nn::Linear(2 * dim, dim))),
         impl(impl) {}
   at::Tensor forward(const at::Tensor& x) {
     auto mlp = [this](const at::Tensor& h) { return fc2(torch::gelu(fc1(h))); };
-    return x + (impl ? checkpoint(mlp, x, {.impl = *impl}) : mlp(x));
+    return x + (impl ? recompute(mlp, x, {.impl = *impl}) : mlp(x));
   }
   torch::nn::Linear fc1, fc2;
-  std::optional<CheckpointImpl> impl;
+  std::optional<RecomputeImpl> impl;
 };
-TORCH_MODULE(SelfCheckpointingBlock);
+TORCH_MODULE(SelfRecomputingBlock);
 
-struct SelfCheckpointingNetImpl : torch::nn::Module {
+struct SelfRecomputingNetImpl : torch::nn::Module {
   // The input projection makes every block's input require grad, as a reentrant
-  // checkpoint needs.
-  SelfCheckpointingNetImpl(int64_t dim, std::optional<CheckpointImpl> impl)
+  // recompute needs.
+  SelfRecomputingNetImpl(int64_t dim, std::optional<RecomputeImpl> impl)
       : proj(register_module("proj", torch::nn::Linear(dim, dim))),
         head(register_module("head", torch::nn::Linear(dim, 1))) {
     auto list = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < 3; ++i) {
-      blocks.emplace_back(SelfCheckpointingBlock(dim, impl));
+      blocks.emplace_back(SelfRecomputingBlock(dim, impl));
       list->push_back(blocks.back().ptr());
     }
   }
@@ -227,24 +228,24 @@ struct SelfCheckpointingNetImpl : torch::nn::Module {
     return head(x);
   }
   torch::nn::Linear proj;
-  std::vector<Sharded<SelfCheckpointingBlock>> blocks;
+  std::vector<Sharded<SelfRecomputingBlock>> blocks;
   torch::nn::Linear head;
 };
-TORCH_MODULE(SelfCheckpointingNet);
+TORCH_MODULE(SelfRecomputingNet);
 
-HP_DIST_TEST(FullyShardWithAC, CheckpointInsideAShardedModule, 2) {
-  for (CheckpointImpl impl : {CheckpointImpl::kNonReentrant, CheckpointImpl::kReentrant}) {
-    SCOPED_TRACE(impl == CheckpointImpl::kReentrant ? "reentrant" : "non-reentrant");
+HP_DIST_TEST(FullyShardWithRecompute, RecomputeInsideAShardedModule, 2) {
+  for (RecomputeImpl impl : {RecomputeImpl::kNonReentrant, RecomputeImpl::kReentrant}) {
+    SCOPED_TRACE(impl == RecomputeImpl::kReentrant ? "reentrant" : "non-reentrant");
     torch::manual_seed(3);
-    SelfCheckpointingNet reference(16, std::nullopt);
+    SelfRecomputingNet reference(16, std::nullopt);
     torch::manual_seed(3);
-    Sharded<SelfCheckpointingNet> model(16, impl);
+    Sharded<SelfRecomputingNet> model(16, impl);
     testing::ShardedParts parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.");
     torch::manual_seed(11);
     testing::expect_training_matches_reference(
         reference, model, parts, 2,
-        [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; },
-        testing::mse_loss, 1e-5, /*expect_every_param_managed=*/true);
+        [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; }, testing::mse_loss,
+        1e-5, /*expect_every_param_managed=*/true);
   }
 }
 

@@ -2,7 +2,7 @@
 // loop that forwards output and watches exits, and process-group teardown on failure,
 // timeout or interrupt.
 
-#include "hyperparallel/launcher.h"
+#include "launcher.h"
 
 #include <fcntl.h>
 #include <netdb.h>

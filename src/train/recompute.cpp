@@ -1,4 +1,4 @@
-#include "hyperparallel/checkpoint.h"
+#include "hyperparallel/recompute.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -42,7 +42,7 @@ struct SavedMeta {
 // rerun, the tensors backward has not taken yet.
 class Region : public std::enable_shared_from_this<Region> {
  public:
-  Region(CheckpointFn fn, std::vector<at::Tensor> inputs, std::optional<detail::RngSnapshot> rng)
+  Region(RecomputeFn fn, std::vector<at::Tensor> inputs, std::optional<detail::RngSnapshot> rng)
       : fn_(std::move(fn)), inputs_(std::move(inputs)), rng_(std::move(rng)) {}
 
   size_t note_saved(const at::Tensor& t) {
@@ -64,7 +64,7 @@ class Region : public std::enable_shared_from_this<Region> {
     explicit Collect(Region& region) : region_(region) {}
     void call_pack_hook(const at::Tensor& t) override { region_.collect(t); }
     at::Tensor call_unpack_hook() override {
-      throw std::logic_error("checkpoint: the graph of a recompute is never backpropagated");
+      throw std::logic_error("recompute: the graph of a recompute is never backpropagated");
     }
 
    private:
@@ -74,14 +74,14 @@ class Region : public std::enable_shared_from_this<Region> {
   void collect(const at::Tensor& t) {
     if (collected_ >= saved_.size() || !(SavedMeta(t) == saved_[collected_])) {
       std::ostringstream what;
-      what << "checkpoint: the recomputed region saved ";
+      what << "recompute: the recomputed region saved ";
       if (collected_ >= saved_.size()) {
         what << "more tensors for backward than its forward (" << saved_.size() << ")";
       } else {
         what << "tensor #" << collected_ << " as " << SavedMeta(t).str()
              << " where its forward saved " << saved_[collected_].str();
       }
-      what << ". A checkpointed function must compute the same thing when rerun: same "
+      what << ". A recomputed function must compute the same thing when rerun: same "
               "inputs, no module state changed between forward and backward, random "
               "draws reproduced (preserve_rng_state).";
       throw std::runtime_error(what.str());
@@ -102,13 +102,13 @@ class Region : public std::enable_shared_from_this<Region> {
     }
     if (collected_ != saved_.size()) {
       throw std::runtime_error(
-          "checkpoint: the recomputed region saved " + std::to_string(collected_) +
+          "recompute: the recomputed region saved " + std::to_string(collected_) +
           " tensors for backward where its forward saved " + std::to_string(saved_.size()) +
-          ". A checkpointed function must compute the same thing when rerun.");
+          ". A recomputed function must compute the same thing when rerun.");
     }
   }
 
-  CheckpointFn fn_;
+  RecomputeFn fn_;
   std::vector<at::Tensor> inputs_;
   std::optional<detail::RngSnapshot> rng_;
   std::vector<SavedMeta> saved_;
@@ -128,9 +128,9 @@ class DropAndRecompute final : public SavedVariableHooks {
   size_t index_ = 0;
 };
 
-std::vector<at::Tensor> checkpoint_non_reentrant(const CheckpointFn& fn,
-                                                 const std::vector<at::Tensor>& inputs,
-                                                 const CheckpointOptions& options) {
+std::vector<at::Tensor> recompute_non_reentrant(const RecomputeFn& fn,
+                                                const std::vector<at::Tensor>& inputs,
+                                                const RecomputeOptions& options) {
   std::optional<detail::RngSnapshot> rng;
   if (options.preserve_rng_state) rng = detail::RngSnapshot::capture(inputs);
   auto region = std::make_shared<Region>(fn, inputs, std::move(rng));
@@ -142,11 +142,11 @@ std::vector<at::Tensor> checkpoint_non_reentrant(const CheckpointFn& fn,
 // --- reentrant: an autograd function --------------------------------------------
 
 struct ReentrantRegion : torch::CustomClassHolder {
-  CheckpointFn fn;
+  RecomputeFn fn;
   std::optional<detail::RngSnapshot> rng;
 };
 
-struct ReentrantCheckpoint : torch::autograd::Function<ReentrantCheckpoint> {
+struct ReentrantRecompute : torch::autograd::Function<ReentrantRecompute> {
   static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
                                c10::intrusive_ptr<ReentrantRegion> region) {
     ctx->save_for_backward(inputs.vec());
@@ -158,8 +158,8 @@ struct ReentrantCheckpoint : torch::autograd::Function<ReentrantCheckpoint> {
   static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
       throw std::runtime_error(
-          "checkpoint (reentrant): gradients asked with torch::autograd::grad cannot pass "
-          "a reentrant checkpoint; call backward(), or use CheckpointImpl::kNonReentrant");
+          "recompute (reentrant): gradients asked with torch::autograd::grad cannot pass "
+          "a reentrant recompute; call backward(), or use RecomputeImpl::kNonReentrant");
     }
     auto holder = ctx->saved_data["region"].toCapsule();
     auto& region = *static_cast<ReentrantRegion*>(holder.get());
@@ -192,43 +192,43 @@ struct ReentrantCheckpoint : torch::autograd::Function<ReentrantCheckpoint> {
   }
 };
 
-std::vector<at::Tensor> checkpoint_reentrant(const CheckpointFn& fn,
-                                             const std::vector<at::Tensor>& inputs,
-                                             const CheckpointOptions& options) {
+std::vector<at::Tensor> recompute_reentrant(const RecomputeFn& fn,
+                                            const std::vector<at::Tensor>& inputs,
+                                            const RecomputeOptions& options) {
   bool any_requires_grad = false;
   for (const auto& t : inputs) any_requires_grad |= t.defined() && t.requires_grad();
   if (!any_requires_grad) {
     throw std::invalid_argument(
-        "checkpoint (reentrant): no input requires grad, so backward would never reach "
+        "recompute (reentrant): no input requires grad, so backward would never reach "
         "the region and its parameters would get no gradient; use "
-        "CheckpointImpl::kNonReentrant, or pass an input that requires grad");
+        "RecomputeImpl::kNonReentrant, or pass an input that requires grad");
   }
   auto region = c10::make_intrusive<ReentrantRegion>();
   region->fn = fn;
   if (options.preserve_rng_state) region->rng = detail::RngSnapshot::capture(inputs);
-  return ReentrantCheckpoint::apply(at::TensorList(inputs), std::move(region));
+  return ReentrantRecompute::apply(at::TensorList(inputs), std::move(region));
 }
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
-                                   const CheckpointOptions& options) {
-  if (!fn) throw std::invalid_argument("checkpoint: the function is empty");
+std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::Tensor>& inputs,
+                                  const RecomputeOptions& options) {
+  if (!fn) throw std::invalid_argument("recompute: the function is empty");
   if (!c10::GradMode::is_enabled()) return fn(inputs);  // no graph, nothing to save
   switch (options.impl) {
-    case CheckpointImpl::kNonReentrant:
-      return checkpoint_non_reentrant(fn, inputs, options);
-    case CheckpointImpl::kReentrant:
-      return checkpoint_reentrant(fn, inputs, options);
+    case RecomputeImpl::kNonReentrant:
+      return recompute_non_reentrant(fn, inputs, options);
+    case RecomputeImpl::kReentrant:
+      return recompute_reentrant(fn, inputs, options);
   }
-  throw std::invalid_argument("checkpoint: unknown CheckpointImpl");
+  throw std::invalid_argument("recompute: unknown RecomputeImpl");
 }
 
-at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                      const at::Tensor& input, const CheckpointOptions& options) {
-  if (!fn) throw std::invalid_argument("checkpoint: the function is empty");
+at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                     const at::Tensor& input, const RecomputeOptions& options) {
+  if (!fn) throw std::invalid_argument("recompute: the function is empty");
   // By value: the region keeps the function until backward.
-  auto outputs = checkpoint(
+  auto outputs = recompute(
       [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
       {input}, options);
   return outputs[0];
