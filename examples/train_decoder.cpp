@@ -496,8 +496,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
     std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
                 learned ? "OK" : "FAILED", final_validation, std::exp(final_validation),
                 learned ? "below" : "not below", unigram);
+    std::fflush(stdout);
   }
-  return learned ? 0 : 1;
+  // The verdict is rank 0's to report: were the others to fail too, the first to exit would
+  // have the launcher stop rank 0 before it printed.
+  return rank == 0 && !learned ? 1 : 0;
 }
 
 // Before the world is joined: only rank 0 (or a plain single process) prints.
