@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <stdexcept>
+
 #include "hyperparallel/comm_handle.h"
 
 namespace hp {
@@ -46,6 +48,37 @@ TEST(CommHandle, ReentrantWaitDoesNotRunTwice) {
   });
   handle.wait();
   EXPECT_EQ(runs, 1);
+}
+
+TEST(CommHandle, ThrowingCallbackSurfacesOnceAndCompletes) {
+  int runs = 0;
+  CommHandle handle = CommHandle::deferred([&] {
+    ++runs;
+    throw std::runtime_error("callback failed");
+  });
+  EXPECT_THROW(handle.wait(), std::runtime_error);
+  EXPECT_FALSE(handle.pending()) << "a failed callback must not leave the handle pending";
+  handle.wait();
+  EXPECT_EQ(runs, 1) << "the callback runs once, also when it throws";
+}
+
+TEST(CommHandle, FailedPartSkipsTheCombinedCallbackButWaitsEveryPart) {
+  int later_part_runs = 0, combined_runs = 0;
+  CommHandle failing = CommHandle::deferred([] { throw std::runtime_error("part failed"); });
+  CommHandle later = CommHandle::deferred([&] { ++later_part_runs; });
+  CommHandle combined = CommHandle::after({failing, later}, [&] { ++combined_runs; });
+  try {
+    combined.wait();
+    ADD_FAILURE() << "the part's error must reach the waiter";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "part failed");
+  }
+  EXPECT_EQ(later_part_runs, 1) << "parts after the failed one are still waited";
+  EXPECT_EQ(combined_runs, 0) << "the combined callback would consume a failed result";
+  EXPECT_FALSE(combined.pending());
+  EXPECT_FALSE(later.pending());
+  combined.wait();
+  EXPECT_EQ(combined_runs, 0);
 }
 
 }  // namespace

@@ -34,6 +34,9 @@ class CommHandle {
 
   // Blocks until the communication finished, then runs the completion callback if it
   // has not run yet. Safe to call any number of times, from copies of the handle too.
+  // If the work, a part or the callback throws, this wait() rethrows it (after waiting
+  // every part; the callback is skipped when its work failed) and the handle is done:
+  // later waits do nothing.
   void wait();
 
   // True until wait() has run to its end: there is work or a callback still to consume.

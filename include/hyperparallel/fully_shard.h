@@ -8,7 +8,9 @@
 //
 // Between steps the module's parameters are this rank's shards (optimizers work on them
 // unchanged); around each forward/backward they are swapped for the unsharded tensors.
-// Forward interception needs the call to go through Sharded<M>::operator().
+// Forward interception needs the call to go through Sharded<M>::operator(); a module
+// called around it (block->forward(x), a Sequential, a ModuleList) is reported when its
+// parameters get gradients while sharded.
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -123,8 +125,11 @@ namespace detail {
 
 // The fully_shard state of a module, or null.
 std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module);
+// Pre-forward undoes itself if it throws; run_forward_failed replaces post-forward when
+// the module's forward threw.
 void run_pre_forward(FSDPState& state, const std::vector<at::Tensor*>& inputs);
 void run_post_forward(FSDPState& state, const std::vector<at::Tensor*>& outputs);
+void run_forward_failed(FSDPState& state);
 
 template <typename T>
 struct is_vector : std::false_type {};
@@ -140,6 +145,31 @@ template <typename T>
 struct is_optional : std::false_type {};
 template <typename T>
 struct is_optional<std::optional<T>> : std::true_type {};
+
+// Whether every tensor inside a T is reachable by collect_tensors: tensors, the
+// containers it walks, and values that hold no tensor (numbers, enums, strings).
+template <typename T>
+constexpr bool tensors_are_visible();
+template <typename T>
+struct elements_are_visible : std::false_type {};
+template <typename... E>
+struct elements_are_visible<std::tuple<E...>>
+    : std::bool_constant<(tensors_are_visible<std::remove_cvref_t<E>>() && ...)> {};
+template <typename A, typename B>
+struct elements_are_visible<std::pair<A, B>>
+    : std::bool_constant<tensors_are_visible<std::remove_cvref_t<A>>() &&
+                         tensors_are_visible<std::remove_cvref_t<B>>()> {};
+template <typename T>
+constexpr bool tensors_are_visible() {
+  if constexpr (std::is_same_v<T, at::Tensor> || std::is_arithmetic_v<T> || std::is_enum_v<T> ||
+                std::is_same_v<T, std::string>) {
+    return true;
+  } else if constexpr (is_vector<T>::value || is_optional<T>::value) {
+    return tensors_are_visible<typename T::value_type>();
+  } else {
+    return elements_are_visible<T>::value;
+  }
+}
 
 // Collects pointers to the tensors inside forward arguments / results.
 template <typename T>
@@ -167,17 +197,25 @@ class Sharded : public Holder {
 
   template <typename... Args>
   auto operator()(Args&&... args) {
+    using Output =
+        std::decay_t<decltype(this->get()->forward(std::declval<std::decay_t<Args>&>()...))>;
+    static_assert(detail::tensors_are_visible<Output>(),
+                  "hp::Sharded: the module's forward must return at::Tensor, or std::vector, "
+                  "std::tuple, std::pair or std::optional of those (nested; numbers, enums and "
+                  "std::string may sit beside them). Tensors in other types (structs, maps, "
+                  "arrays, IValue) get no pre-backward hook, so backward would run on sharded "
+                  "parameters");
     auto state = detail::state_of(this->ptr().get());
     if (!state) return Holder::operator()(std::forward<Args>(args)...);
     std::tuple<std::decay_t<Args>...> inputs(std::forward<Args>(args)...);
     std::vector<at::Tensor*> input_tensors;
     detail::collect_tensors(inputs, input_tensors);
     detail::run_pre_forward(*state, input_tensors);
-    struct PostForwardOnError {  // keeps the state consistent if forward throws
+    struct ForwardFailedGuard {  // keeps the state consistent if forward throws
       detail::FSDPState& state;
       bool armed = true;
-      ~PostForwardOnError() {
-        if (armed) detail::run_post_forward(state, {});
+      ~ForwardFailedGuard() {
+        if (armed) detail::run_forward_failed(state);
       }
     } guard{*state};
     auto output = std::apply([this](auto&... a) { return this->get()->forward(a...); }, inputs);

@@ -39,10 +39,15 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   const int64_t world = group.size();
   if (!comm_fusion) {
     std::vector<CommHandle> gathers;
-    for (size_t i = 0; i < params.size(); ++i) {
-      result.outputs.push_back(params[i]->all_gather_output());
-      if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
-      gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
+    try {
+      for (size_t i = 0; i < params.size(); ++i) {
+        result.outputs.push_back(params[i]->all_gather_output());
+        if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
+        gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
+      }
+    } catch (...) {
+      wait_issued(gathers);
+      throw;
     }
     result.handle = CommHandle::after(std::move(gathers), {});
     return result;
@@ -109,15 +114,30 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   }
   zero_between_slots(result.buffer, result.offsets, params);
   std::vector<CommHandle> reduce_scatters;
-  for (size_t i = 0; i < params.size(); ++i) {
-    CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
-    grads[i] = at::Tensor();
-    at::Tensor slot = result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-    reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
-    result.inputs.push_back(std::move(part));
+  try {
+    for (size_t i = 0; i < params.size(); ++i) {
+      CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+      grads[i] = at::Tensor();
+      at::Tensor slot =
+          result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
+      reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
+      result.inputs.push_back(std::move(part));
+    }
+  } catch (...) {
+    wait_issued(reduce_scatters);
+    throw;
   }
   result.handle = CommHandle::after(std::move(reduce_scatters), {});
   return result;
+}
+
+void wait_issued(std::vector<CommHandle>& issued) noexcept {
+  for (CommHandle& handle : issued) {
+    try {
+      handle.wait();
+    } catch (...) {  // secondary to the error that led here
+    }
+  }
 }
 
 void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats) {

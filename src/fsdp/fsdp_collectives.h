@@ -59,6 +59,10 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          bool comm_fusion, ReduceBufferStats& stats);
 
+// Waits for every handle, ignoring their errors: called while another error propagates,
+// before dropping buffers that collectives already issued still write into.
+void wait_issued(std::vector<CommHandle>& issued) noexcept;
+
 // Frees the inputs this library allocated (seed 002: a view of the caller's gradient is
 // only dropped).
 void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats);

@@ -98,6 +98,22 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
     load_full(variable_.detach());
     variable_.set_data(sharded_view_);
   }
+  if (variable_.requires_grad()) report_gradients_on_shard();
+}
+
+void FSDPParam::report_gradients_on_shard() {
+  std::weak_ptr<const Status> watched = status_;
+  variable_.register_hook([watched, name = name_](const at::Tensor&) {
+    auto status = watched.lock();
+    if (!status || status->unsharded) return;
+    throw std::logic_error(
+        "parameter '" + name + "' of the fully_shard-ed module '" + status->owner +
+        "' got a gradient while sharded: the module's forward ran without fully_shard's hooks "
+        "(called through its plain holder: module->forward(x), a torch::nn::Sequential, or "
+        "iterating a ModuleList), so the gradient would not be reduced across ranks. Call it "
+        "through its hp::Sharded<...> as module(x), e.g. keep the blocks in a "
+        "std::vector<hp::Sharded<Block>> and call each element");
+  });
 }
 
 bool FSDPParam::unsharded_aliases_shard() const {
@@ -177,7 +193,7 @@ int64_t FSDPParam::unsharded_bytes() const {
 }
 
 void FSDPParam::check_variable_holds_shard() const {
-  if (is_unsharded_ || variable_.is_alias_of(padded_shard_)) return;
+  if (status_->unsharded || variable_.is_alias_of(padded_shard_)) return;
   throw std::logic_error(
       "parameter '" + name_ +
       "' no longer holds its local shard: something outside fully_shard replaced its data "
@@ -186,30 +202,30 @@ void FSDPParam::check_variable_holds_shard() const {
 }
 
 void FSDPParam::install_unsharded() {
-  if (!is_unsharded_) {
+  if (!status_->unsharded) {
     check_variable_holds_shard();
     stashed_sharded_grad_ = variable_.grad();
     variable_.mutable_grad() = at::Tensor();
   }
   variable_.set_data(unsharded_aliases_shard() ? sharded_view_ : unsharded_param_);
-  is_unsharded_ = true;
+  status_->unsharded = true;
 }
 
 void FSDPParam::install_sharded() {
-  if (is_unsharded_) {
+  if (status_->unsharded) {
     // An unsharded gradient still on the variable was never taken for reduction
     // (no backward ran since): it must not survive the shape change.
     variable_.mutable_grad() = std::move(stashed_sharded_grad_);
     stashed_sharded_grad_ = at::Tensor();
     variable_.set_data(sharded_view_);
-    is_unsharded_ = false;
+    status_->unsharded = false;
   }
   // Also when never installed: an abandoned all-gather may have filled the storage.
   if (unsharded_param_.defined()) free_storage(unsharded_param_);
 }
 
 at::Tensor& FSDPParam::sharded_grad() {
-  return is_unsharded_ ? stashed_sharded_grad_ : variable_.mutable_grad();
+  return status_->unsharded ? stashed_sharded_grad_ : variable_.mutable_grad();
 }
 
 void FSDPParam::keep_unsharded_grad(at::Tensor grad) {
@@ -217,7 +233,7 @@ void FSDPParam::keep_unsharded_grad(at::Tensor grad) {
 }
 
 at::Tensor FSDPParam::take_unsharded_grad() {
-  if (!is_unsharded_) return {};
+  if (!status_->unsharded) return {};
   at::Tensor grad = variable_.grad();
   if (grad.defined()) variable_.mutable_grad() = at::Tensor();
   if (accumulated_unsharded_grad_.defined()) {

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -99,7 +100,9 @@ class FSDPParam {
   void install_unsharded();
   // Points the variable back at the shard and frees the unsharded storage.
   void install_sharded();
-  bool is_unsharded() const { return is_unsharded_; }
+  bool is_unsharded() const { return status_->unsharded; }
+  // The fully_shard-ed module's path, for error messages.
+  void set_owner(std::string owner) { status_->owner = std::move(owner); }
   // Ranks [index * world / parts, (index + 1) * world / parts) of the rank-major
   // unsharded data (a copy, [world / parts x padded_numel]): what this rank keeps after
   // forward when resharding to a group of `parts` ranks.
@@ -151,6 +154,11 @@ class FSDPParam {
  private:
   // Whether unsharding needs no buffer of its own: one shard rank, no cast, no move.
   bool unsharded_aliases_shard() const;
+  // A gradient reaches the parameter only while it is unsharded: between the module's
+  // pre-backward and post-backward hooks. One that reaches the shard comes from a forward
+  // that ran without fully_shard's hooks (the module called through its plain holder):
+  // unreduced, it would let the ranks diverge silently. The hook reports it instead.
+  void report_gradients_on_shard();
 
   std::string name_;
   at::Tensor variable_;
@@ -161,7 +169,12 @@ class FSDPParam {
   c10::Device compute_device_;
   at::Tensor padded_shard_;  // [padded_numel], orig dtype; padding stays zero
   at::Tensor sharded_view_;  // local shard shape, a view of padded_shard_
-  bool is_unsharded_ = false;
+  // Shared with the gradient hook, which may outlive this object (with the variable).
+  struct Status {
+    bool unsharded = false;
+    std::string owner = "module";
+  };
+  std::shared_ptr<Status> status_ = std::make_shared<Status>();
   // The persistent unsharded parameter (global shape, param dtype) and its storage seen
   // flat: [world x padded_numel] rank-major for Shard(0) (the all-gather lands in it),
   // [numel] otherwise. Undefined when unsharding aliases the shard.

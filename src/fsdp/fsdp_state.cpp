@@ -168,9 +168,21 @@ void FSDPState::unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (!initialized()) lazy_init_as_root();
   if (forward_depth_++ > 0) return;  // another module of this state is mid-forward
-  if (inside_backward()) return recompute_pre_forward(inputs);
+  try {
+    if (inside_backward()) return recompute_pre_forward(inputs);
+    begin_forward(inputs);
+  } catch (...) {  // e.g. the all-gather ran out of memory: the next forward starts afresh
+    forward_failed();
+    throw;
+  }
+}
+
+void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
   auto root = root_.lock();
   if (root.get() == this) {
+    // A backward that failed (an exception in a hook, its own or the user's) never ran
+    // the end-of-backward callback.
+    if (final_callback_queued_) abandon_backward();
     for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
     // Reductions left pending by a backward with set_is_last_backward(false) finish
     // before parameters are used again.
@@ -185,6 +197,53 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
   if (c10::GradMode::is_enabled() && register_post_backward_hook(inputs, weak_from_this())) {
     ++post_backward_hooks_pending_;
+  }
+}
+
+void FSDPState::forward_failed() {
+  if (--forward_depth_ > 0) return;
+  recomputing_ = false;
+  // A failed recompute fails its backward, which the next forward recovers.
+  if (inside_backward()) return;
+  // Nothing gathered for this forward (this module, prefetched ones, for the root the
+  // whole tree) stays allocated or pending after the error.
+  auto root = root_.lock();
+  if (root.get() == this) {
+    for_each_live(tree_, [](FSDPState& s) { s.reshard_after_error(); });
+  } else {
+    reshard_after_error();
+  }
+}
+
+void FSDPState::reshard_after_error() noexcept {
+  try {
+    group_->reshard();
+  } catch (...) {  // secondary to the error being handled
+  }
+}
+
+void FSDPState::abandon_backward() {
+  final_callback_queued_ = false;
+  previous_reducer_.reset();
+  reducers_.clear();
+  for_each_live(tree_, [](FSDPState& s) {
+    s.in_backward_ = false;
+    s.post_backward_hooks_pending_ = 0;
+    // Reductions of the failed backward hold partial gradients: dropped, never installed
+    // (after a zero_grad they would otherwise reappear in the next step).
+    s.group_->discard_reduce();
+    s.reshard_after_error();
+  });
+}
+
+void FSDPState::backward_failed() noexcept {
+  // The engine drops the end-of-backward callback of a failed backward: clean up now, so
+  // that an optimizer step after the error sees sharded parameters.
+  if (auto root = root_.lock()) {
+    try {
+      root->abandon_backward();
+    } catch (...) {  // secondary; the next forward retries
+    }
   }
 }
 
@@ -229,6 +288,15 @@ void FSDPState::recompute_post_forward(const std::vector<at::Tensor*>& outputs) 
 
 void FSDPState::pre_backward() {
   if (in_backward_) return;
+  try {
+    begin_backward();
+  } catch (...) {
+    backward_failed();
+    throw;
+  }
+}
+
+void FSDPState::begin_backward() {
   in_backward_ = true;
   post_backward_done_ = false;
   if (auto root = root_.lock(); root && !root->final_callback_queued_) {
@@ -247,7 +315,12 @@ void FSDPState::pre_backward() {
 
 void FSDPState::post_backward_hook_fired() {
   if (--post_backward_hooks_pending_ > 0) return;
-  post_backward();
+  try {
+    post_backward();
+  } catch (...) {
+    backward_failed();
+    throw;
+  }
 }
 
 void FSDPState::post_backward() {
@@ -272,6 +345,15 @@ void FSDPState::post_backward() {
 }
 
 void FSDPState::root_post_backward_final_callback() {
+  try {
+    end_backward();
+  } catch (...) {
+    backward_failed();
+    throw;
+  }
+}
+
+void FSDPState::end_backward() {
   final_callback_queued_ = false;
   // States whose inputs needed no gradient (the root itself, typically) never saw
   // their post-backward hook fire: run it now.

@@ -33,8 +33,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   const MixedPrecisionPolicy& mp_policy() const { return mp_; }
 
   // --- hooks (called by the module adapter and by autograd) ---------------------
+  // A pre-forward that throws undoes itself (as forward_failed) before rethrowing.
   void pre_forward(const std::vector<at::Tensor*>& inputs);
   void post_forward(const std::vector<at::Tensor*>& outputs);
+  // Instead of post_forward when the module's forward threw: reshards what this forward
+  // gathered (for the root: every module of the tree) so the next forward starts clean.
+  void forward_failed();
   void pre_backward();
   // From the identity function over one module's inputs. A state shared by several
   // modules reduces only after the last of them finished its backward.
@@ -69,7 +73,15 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void finish_pending_reductions();
 
  private:
+  void begin_forward(const std::vector<at::Tensor*>& inputs);
+  void begin_backward();
   void post_backward();
+  void end_backward();
+  // Exception safety: a backward that threw (in these hooks or in any other node) leaves
+  // no module unsharded, no reduction pending and no flag set for the next one.
+  void backward_failed() noexcept;
+  void abandon_backward();  // root only
+  void reshard_after_error() noexcept;
   // Activation recomputation reruns forwards inside backward.
   void recompute_pre_forward(const std::vector<at::Tensor*>& inputs);
   void recompute_post_forward(const std::vector<at::Tensor*>& outputs);

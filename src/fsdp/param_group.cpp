@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <exception>
 #include <stdexcept>
+#include <utility>
 
 #include "fsdp_collectives.h"
 #include "hyperparallel/trace.h"
@@ -27,11 +29,21 @@ ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
   }
 }
 
+void ParamGroup::set_label(std::string label) {
+  for (auto& p : params_) p->set_owner(label);
+  label_ = std::move(label);
+}
+
 CommHandle ParamGroup::unshard(bool async) {
   if (state_ == State::kSharded) {
     state_ = State::kPending;
     trace::record(trace::Kind::kIssue, "all_gather", label_);
-    pending_unshard_ = issue_all_gather();
+    try {
+      pending_unshard_ = issue_all_gather();
+    } catch (...) {  // e.g. out of memory for the unsharded storage: stay sharded
+      reshard();
+      throw;
+    }
   }
   if (!async) wait_for_unshard();
   return state_ == State::kPending ? pending_unshard_ : CommHandle();
@@ -40,23 +52,35 @@ CommHandle ParamGroup::unshard(bool async) {
 void ParamGroup::wait_for_unshard() {
   if (state_ != State::kPending) return;
   trace::record(trace::Kind::kWaitBegin, "all_gather", label_);
-  pending_unshard_.wait();  // its completion installs the unsharded parameters
+  try {
+    pending_unshard_.wait();  // its completion installs the unsharded parameters
+  } catch (...) {
+    // The collective or its completion (copy-out, install) failed: back to sharded, so
+    // that the next unshard starts afresh instead of finding a pending state forever.
+    state_ = State::kSharded;
+    pending_unshard_ = CommHandle();
+    for (auto& p : params_) p->install_sharded();
+    throw;
+  }
   trace::record(trace::Kind::kWaitEnd, "all_gather", label_);
   pending_unshard_ = CommHandle();
 }
 
 void ParamGroup::reshard() {
-  if (state_ == State::kPending) {
-    // Let the collective finish (its buffers are in use), but install nothing; what it
-    // gathered into the unsharded storage is freed below.
-    state_ = State::kSharded;
-    pending_unshard_.wait();
-    pending_unshard_ = CommHandle();
+  // A pending collective is let finish (its buffers are in use) but installs nothing
+  // (its completion checks the state); what it gathered is freed below.
+  CommHandle abandoned = std::exchange(pending_unshard_, CommHandle());
+  state_ = State::kSharded;
+  post_forward_parts_.clear();
+  std::exception_ptr error;
+  try {
+    abandoned.wait();
+  } catch (...) {
+    error = std::current_exception();
   }
   // Sharded parameters may still hold gathered storage: a pending unshard was abandoned.
   for (auto& p : params_) p->install_sharded();
-  state_ = State::kSharded;
-  post_forward_parts_.clear();
+  if (error) std::rethrow_exception(error);
 }
 
 void ParamGroup::reshard_to_post_forward_group() {
@@ -140,6 +164,15 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
     throw std::logic_error("a gradient reduction is still pending for this module");
   }
   pending_.emplace();
+  try {
+    issue_reduce(settings);
+  } catch (...) {
+    discard_reduce();
+    throw;
+  }
+}
+
+void ParamGroup::issue_reduce(const ReduceSettings& settings) {
   PendingReduce& r = *pending_;
   r.settings = settings;
   std::vector<at::Tensor> grads;
@@ -171,7 +204,12 @@ void ParamGroup::wait_reduce_scatter() {
   r.reduce_scatters_done = true;
   if (r.scatter.handle.pending()) {
     trace::record(trace::Kind::kWaitBegin, "reduce_scatter", label_);
-    r.scatter.handle.wait();
+    try {
+      r.scatter.handle.wait();
+    } catch (...) {
+      discard_reduce();  // its buffer holds no result: never install it
+      throw;
+    }
     trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
   }
   release_reduce_inputs(r.scatter.inputs, stats_);
@@ -199,7 +237,12 @@ void ParamGroup::start_all_reduce() {
   }
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
   trace::record(trace::Kind::kIssue, "all_reduce", label_);
-  r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *comm_.replicate);
+  try {
+    r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *comm_.replicate);
+  } catch (...) {
+    discard_reduce();
+    throw;
+  }
 }
 
 void ParamGroup::install_sharded_grads(PendingReduce& r) {
@@ -210,21 +253,37 @@ void ParamGroup::install_sharded_grads(PendingReduce& r) {
 void ParamGroup::finish_reduce() {
   if (!pending_) return;
   start_all_reduce();
-  PendingReduce r = std::move(*pending_);
-  pending_.reset();
-  if (r.all_reduce.pending()) {
-    trace::record(trace::Kind::kWaitBegin, "all_reduce", label_);
-    r.all_reduce.wait();
-    trace::record(trace::Kind::kWaitEnd, "all_reduce", label_);
+  PendingReduce& pending = *pending_;
+  try {
+    if (pending.all_reduce.pending()) {
+      trace::record(trace::Kind::kWaitBegin, "all_reduce", label_);
+      pending.all_reduce.wait();
+      trace::record(trace::Kind::kWaitEnd, "all_reduce", label_);
+    }
+    for (CommHandle& handle : pending.replicated_all_reduces) handle.wait();
+  } catch (...) {
+    discard_reduce();
+    throw;
   }
+  PendingReduce r = std::move(pending);
+  pending_.reset();
   install_sharded_grads(r);
-  for (size_t i = 0; i < r.replicated.size(); ++i) {
-    r.replicated_all_reduces[i].wait();
-    auto& [rp, grad] = r.replicated[i];
+  for (auto& [rp, grad] : r.replicated) {
     if (r.settings.divide_factor != 1.0) grad.div_(r.settings.divide_factor);
     rp->reduced_grad = rp->reduced_grad.defined() ? rp->reduced_grad.add_(grad) : grad;
     rp->variable.mutable_grad() = rp->reduced_grad;
   }
+}
+
+void ParamGroup::discard_reduce() {
+  if (!pending_) return;
+  PendingReduce r = std::move(*pending_);
+  pending_.reset();
+  // Collectives still in flight write into the buffers dropped here: let them finish.
+  std::vector<CommHandle> issued = {r.scatter.handle, r.all_reduce};
+  issued.insert(issued.end(), r.replicated_all_reduces.begin(), r.replicated_all_reduces.end());
+  wait_issued(issued);
+  release_reduce_inputs(r.scatter.inputs, stats_);
 }
 
 void ParamGroup::zero_grad() {

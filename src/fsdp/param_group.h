@@ -56,9 +56,12 @@ class ParamGroup {
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   std::vector<ReplicatedParam>& replicated() { return replicated_; }
   const GroupComm& comm() const { return comm_; }
-  void set_label(std::string label) { label_ = std::move(label); }  // names trace events
+  // Names trace events and error messages.
+  void set_label(std::string label);
 
   // --- unshard / reshard -------------------------------------------------------
+  // A failed unshard (issuing, the collective or its completion throws) leaves the group
+  // sharded and rethrows; the next unshard starts afresh.
   CommHandle unshard(bool async);
   void wait_for_unshard();
   void reshard();
@@ -87,6 +90,10 @@ class ParamGroup {
   //    earlier step that has not run: finishes whatever is pending.
   void finish_reduce();
   bool reduce_pending() const { return pending_.has_value(); }
+  // Drops the pending reduction without installing anything (after its collectives
+  // finished). Any step above that fails does this, then rethrows; a backward that
+  // failed elsewhere leaves its reductions to be dropped this way.
+  void discard_reduce();
 
   void zero_grad();
   const ReduceBufferStats& reduce_buffer_stats() const { return stats_; }
@@ -95,6 +102,7 @@ class ParamGroup {
   enum class State { kSharded, kPending, kUnsharded };
 
   CommHandle issue_all_gather();
+  void issue_reduce(const ReduceSettings& settings);
   void install_unsharded();
   void start_replicated_reduce(const ReduceSettings& settings);
 

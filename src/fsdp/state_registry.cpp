@@ -80,4 +80,6 @@ void run_post_forward(FSDPState& state, const std::vector<at::Tensor*>& outputs)
   state.post_forward(outputs);
 }
 
+void run_forward_failed(FSDPState& state) { state.forward_failed(); }
+
 }  // namespace hp::detail

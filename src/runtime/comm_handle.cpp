@@ -1,5 +1,6 @@
 #include "hyperparallel/comm_handle.h"
 
+#include <exception>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace hp {
@@ -32,8 +33,22 @@ CommHandle CommHandle::after(std::vector<CommHandle> parts, std::function<void()
 
 void CommHandle::wait() {
   if (!state_ || state_->done) return;
-  if (state_->work) state_->work->wait();
-  for (auto& part : state_->parts) part.wait();
+  // Every part is waited even when one fails (their buffers stay in use until then), and
+  // the handle is done either way: a failed collective or callback surfaces once, here,
+  // and never leaves the handle pending.
+  std::exception_ptr error;
+  try {
+    if (state_->work) state_->work->wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (auto& part : state_->parts) {
+    try {
+      part.wait();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
   // Mark done before running the callback so a re-entrant wait() cannot run it twice,
   // and drop what the callback captured as soon as it ran.
   state_->done = true;
@@ -41,6 +56,7 @@ void CommHandle::wait() {
   state_->parts.clear();
   auto callback = std::move(state_->on_complete);
   state_->on_complete = nullptr;
+  if (error) std::rethrow_exception(error);  // what the callback would consume is not there
   if (callback) callback();
 }
 
