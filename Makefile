@@ -26,9 +26,10 @@ demo: build
 test: build
 	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
-# Benchmarks (about 10 minutes on 2 cores); rewrites docs/performance.md.
+# Benchmarks (about 20 minutes on 2 cores); rewrites docs/performance.md. Some of them:
+# make bench BENCH_ARGS="--only memory,beyond" (sections: see bench/run.sh).
 bench: build
-	$(RUN) bench/run.sh $(BUILD)
+	$(RUN) bench/run.sh $(BUILD) $(BENCH_ARGS)
 
 format:
 	$(RUN) clang-format -i $(shell git ls-files '*.cpp' '*.h')

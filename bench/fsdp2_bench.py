@@ -12,7 +12,12 @@ Variants (alternated step by step in one process, like hp_bench):
                     explicit forward prefetch of the next block
     fsdp2:raf       reshard_after_forward=True (expected to fail on CPU, see below)
 
-Rank 0 prints one "RESULT {json}" line per variant.
+--deferred-init builds the model on the meta device, applies fully_shard there, then
+allocates only the local shards (to_empty) and initializes them (FSDP2's documented
+meta-device recipe; the values differ from an eager build, the sizes do not).
+
+Rank 0 prints one "RESULT {json}" line per variant, with peak RSS and the RSS at the end
+of the last step's forward (the forward/backward boundary) of every rank.
 """
 
 import argparse
@@ -124,12 +129,18 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(max_seq, dim)
         self.layers = nn.ModuleList(DecoderBlock(dim, heads, ffn) for _ in range(layers))
         self.norm = RMSNorm(dim)
-        with torch.no_grad():
-            residual_std = 0.02 / (2.0 * max(layers, 1)) ** 0.5
-            for name, p in self.named_parameters():
-                if p.dim() >= 2:
-                    out = name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight")
-                    p.normal_(0.0, residual_std if out else 0.02)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        layers = len(self.layers)
+        residual_std = 0.02 / (2.0 * max(layers, 1)) ** 0.5
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                out = name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight")
+                p.normal_(0.0, residual_std if out else 0.02)
+            else:
+                p.fill_(1.0)  # the norm weights
 
     def blocks(self):
         return list(self.layers)
@@ -183,7 +194,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="local,fsdp2")
     ap.add_argument("--label", default="")
+    ap.add_argument("--deferred-init", action="store_true", help="meta-device init")
     args = ap.parse_args()
+    if args.deferred_init and args.model != "transformer":
+        raise SystemExit("--deferred-init needs --model transformer (its init_weights)")
 
     torch.set_num_threads(1)  # ranks share the machine's cores (as hp_bench)
     dist.init_process_group("gloo")
@@ -203,14 +217,19 @@ def main():
     # what the variant's model, optimizer and steps cost.
     base_rss = vm_kib("VmRSS") / 1024.0
 
+    sizes = {}  # the model's parameter counts, before sharding
+
     def build(variant):
         torch.manual_seed(0)  # the same initial model for every variant and rank
-        if args.model == "transformer":
-            model = Transformer(
-                args.vocab, args.dim, args.heads, args.layers, 4 * args.dim, args.seq
-            )
-        else:
-            model = Tiny(args.tiny_blocks, args.tiny_width)
+        with torch.device("meta" if args.deferred_init else "cpu"):
+            if args.model == "transformer":
+                model = Transformer(
+                    args.vocab, args.dim, args.heads, args.layers, 4 * args.dim, args.seq
+                )
+            else:
+                model = Tiny(args.tiny_blocks, args.tiny_width)
+        sizes.setdefault("params", sum(p.numel() for p in model.parameters()))
+        sizes.setdefault("block_params", sum(p.numel() for p in model.blocks()[0].parameters()))
         kind, _, flags = variant.partition(":")
         flags = set(filter(None, flags.split("+")))
         if kind == "fsdp2":
@@ -228,8 +247,18 @@ def main():
                     blocks[i].set_modules_to_forward_prefetch([blocks[i + 1]])
         elif kind != "local":
             raise SystemExit(f"unknown variant {variant}")
+        if args.deferred_init:
+            model.to_empty(device="cpu")  # sharded: only this rank's shards
+            model.init_weights()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return {"name": variant, "model": model, "opt": opt, "times": [], "error": None}
+        return {
+            "name": variant,
+            "model": model,
+            "opt": opt,
+            "times": [],
+            "error": None,
+            "boundary": 0.0,  # RSS at the last step's forward/backward boundary, MiB
+        }
 
     variants = [build(v) for v in args.variants.split(",")]
 
@@ -260,6 +289,9 @@ def main():
                 v["opt"].zero_grad(set_to_none=True)
                 loss = loss_of(v["model"], x, y)
                 t1 = time.perf_counter()
+                if step + 1 == args.warmup + args.steps:
+                    v["boundary"] = vm_kib("VmRSS") / 1024.0
+                t1b = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
                 v["opt"].step()
@@ -268,16 +300,19 @@ def main():
             except Exception as e:  # noqa: BLE001 -- reported, not hidden
                 v["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
-            t = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0, c3 - c0], dtype=torch.float64)
+            t = [t1 - t0, t2 - t1b, t3 - t2, t3 - t0 - (t1b - t1), c3 - c0]
+            t = torch.tensor(t, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if step >= args.warmup:
                 v["times"].append(t.tolist())
 
-    rss = torch.tensor([vm_kib("VmHWM") / 1024.0, base_rss], dtype=torch.float64)
-    all_rss = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    # Per rank: peak, baseline, then each variant's RSS at its forward/backward boundary.
+    rss = [vm_kib("VmHWM") / 1024.0, base_rss] + [v["boundary"] for v in variants]
+    rss = torch.tensor(rss, dtype=torch.float64)
+    all_rss = [torch.zeros_like(rss) for _ in range(world)]
     dist.all_gather(all_rss, rss)
     if rank == 0:
-        for v in variants:
+        for index, v in enumerate(variants):
             res = {
                 "impl": "fsdp2" if v["name"].startswith("fsdp2") else "py",
                 "variant": v["name"],
@@ -290,6 +325,9 @@ def main():
                 # process ran a single variant.
                 "peak_rss_mib": [round(r[0].item(), 1) for r in all_rss],
                 "base_rss_mib": [round(r[1].item(), 1) for r in all_rss],
+                "boundary_rss_mib": [round(r[2 + index].item(), 1) for r in all_rss],
+                "deferred_init": args.deferred_init,
+                **sizes,
             }
             if v["times"]:
                 cols = list(zip(*v["times"]))

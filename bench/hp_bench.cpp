@@ -19,11 +19,17 @@
 //                    fusion   options.comm_fusion = true
 //                    nopf     root.set_implicit_prefetch(false)
 //                    keep     options.reshard_after_forward = false
-// Rank 0 prints one "RESULT {json}" line per variant (bench/report.py reads them).
+// --deferred-init builds every variant's model with hp::deferred_init and materializes it
+// after fully_shard (the same values as an eager build, bit for bit): a rank then never
+// holds more than its shards and about one whole parameter, also while initializing.
+// Rank 0 prints one "RESULT {json}" line per variant (bench/report.py reads them), with
+// the model's sizes, peak RSS (VmHWM) and RSS at the end of the last step's forward (the
+// forward/backward boundary) of every rank, and the RLIMIT_DATA the process ran under.
 // --trace DIR records the last timed step of every hp variant on every rank as
 // DIR/<variant>_rank<R>.json (Chrome trace) and .svg (timeline picture).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -46,6 +52,7 @@
 #include <vector>
 
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
@@ -66,6 +73,7 @@ struct Options {
   std::string label;
   std::string trace_dir;  // empty: no trace
   bool count_copies = true;
+  bool deferred_init = false;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -106,6 +114,8 @@ Options parse_args(int argc, char** argv) {
       o.trace_dir = value();
     else if (arg == "--no-copy-count")
       o.count_copies = false;
+    else if (arg == "--deferred-init")
+      o.deferred_init = true;
     else if (arg == "--mesh") {
       const std::string mesh = value();
       const auto x = mesh.find('x');
@@ -198,6 +208,8 @@ struct Variant {
   std::vector<std::array<double, 5>> times;
   int64_t copied_bytes = -1;       // main thread
   int64_t copied_bytes_comm = -1;  // other threads (Gloo)
+  double boundary_rss_mib = 0;     // VmRSS at the end of the last step's forward
+  double last_loss = 0;            // the last timed step's loss on this rank
 };
 
 std::string json_number(double v) {
@@ -324,6 +336,8 @@ int run(const Options& o) {
       replicate == 1 ? hp::DeviceMesh(world, {{"dp_shard", shard}})
                      : hp::DeviceMesh(world, {{"dp_replicate", replicate}, {"dp_shard", shard}});
 
+  int64_t total_params = -1, block_params = -1;  // set by the first variant built
+
   // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
   // is what the variant's model, optimizer and steps cost.
   const double base_rss = status_mib("VmRSS");
@@ -359,22 +373,29 @@ int run(const Options& o) {
 
     torch::manual_seed(0);  // the same initial model for every variant and rank
     std::optional<hp::FSDPModule> root;
+    auto make = [&](auto construct) {
+      auto model = std::make_shared<decltype(construct())>(
+          o.deferred_init ? hp::deferred_init(construct) : construct());
+      if (block_params < 0) {  // the model's sizes, before sharding (meta tensors count too)
+        total_params = 0;
+        for (const auto& p : (*model)->parameters()) total_params += p.numel();
+        block_params = 0;
+        if (!(*model)->layers.empty()) {
+          for (const auto& p : (*model)->layers.front()->parameters()) block_params += p.numel();
+        }
+      }
+      if (shard_it) {
+        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
+        root = hp::fully_shard(*model, options);
+      }
+      if (o.deferred_init) hp::materialize(**model);
+      variant->module = model->ptr();
+      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
+    };
     if (o.model == "transformer") {
-      auto model = std::make_shared<hp::Sharded<hp::models::Transformer>>(config);
-      if (shard_it) {
-        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
-        root = hp::fully_shard(*model, options);
-      }
-      variant->module = model->ptr();
-      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
+      make([&] { return hp::Sharded<hp::models::Transformer>(config); });
     } else {
-      auto model = std::make_shared<hp::Sharded<Tiny>>(o.tiny_blocks, o.tiny_width);
-      if (shard_it) {
-        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
-        root = hp::fully_shard(*model, options);
-      }
-      variant->module = model->ptr();
-      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
+      make([&] { return hp::Sharded<Tiny>(o.tiny_blocks, o.tiny_width); });
     }
     if (root && has("nopf")) root->set_implicit_prefetch(false);
     if (kind == "comm") {
@@ -414,7 +435,7 @@ int run(const Options& o) {
     return {torch::randn({o.batch, o.tiny_width}, gen), at::Tensor()};
   };
 
-  auto train_step = [&](Variant& v, const at::Tensor& x, const at::Tensor& y) {
+  auto train_step = [&](Variant& v, const at::Tensor& x, const at::Tensor& y, bool last) {
     if (v.comm_step) {
       const std::array<double, 2> t = v.comm_step();
       return std::array<double, 4>{t[0], t[1], 0.0, t[0] + t[1]};
@@ -426,6 +447,11 @@ int run(const Options& o) {
                                                                          y.reshape(-1))
                                   : out.pow(2).mean();
     const auto t1 = Clock::now();
+    if (last) {
+      v.boundary_rss_mib = status_mib("VmRSS");
+      v.last_loss = loss.item<double>();
+    }
+    const auto t1b = Clock::now();
     loss.backward();
     if (v.after_backward) v.after_backward();
     const auto t2 = Clock::now();
@@ -434,7 +460,7 @@ int run(const Options& o) {
     auto ms = [](auto a, auto b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
-    return std::array<double, 4>{ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t0, t3)};
+    return std::array<double, 4>{ms(t0, t1), ms(t1b, t2), ms(t2, t3), ms(t0, t3) - ms(t1, t1b)};
   };
 
   const size_t n = variants.size();
@@ -448,7 +474,7 @@ int run(const Options& o) {
           !o.trace_dir.empty() && step + 1 == o.warmup + o.steps && v.name.starts_with("hp");
       if (traced) hp::trace::start();
       const double cpu_before = process_cpu_ms();
-      const std::array<double, 4> t = train_step(v, x, y);
+      const std::array<double, 4> t = train_step(v, x, y, step + 1 == o.warmup + o.steps);
       const double cpu = process_cpu_ms() - cpu_before;
       if (traced) write_trace(o, v.name, rank, hp::trace::stop());
       // The slowest rank sets the pace of a step.
@@ -471,7 +497,7 @@ int run(const Options& o) {
       hp::barrier(all).wait();
       g_copied_bytes = 0;
       g_copied_bytes_comm = 0;
-      train_step(*v, x, y);
+      train_step(*v, x, y, /*last=*/false);
       hp::barrier(all).wait();  // Gloo threads of this step are done
       v->copied_bytes = g_copied_bytes.load();
       v->copied_bytes_comm = g_copied_bytes_comm.load();
@@ -479,23 +505,49 @@ int run(const Options& o) {
     at::removeCallback(handle);
   }
 
-  at::Tensor rss = torch::tensor({status_mib("VmHWM"), base_rss}, torch::kDouble);
-  at::Tensor all_rss = torch::empty({ranks, 2}, torch::kDouble);
+  // Per rank: peak, baseline, then each variant's RSS at its forward/backward boundary.
+  std::vector<double> mine = {status_mib("VmHWM"), base_rss};
+  for (const auto& v : variants) mine.push_back(v->boundary_rss_mib);
+  const int64_t columns = static_cast<int64_t>(mine.size());
+  at::Tensor rss = torch::tensor(mine, torch::kDouble);
+  at::Tensor all_rss = torch::empty({ranks, columns}, torch::kDouble);
   hp::all_gather(all_rss, rss, all).wait();
+  rlimit data_limit{};
+  getrlimit(RLIMIT_DATA, &data_limit);
+  const std::string limit_mib =
+      data_limit.rlim_cur == RLIM_INFINITY
+          ? "null"
+          : json_number(static_cast<double>(data_limit.rlim_cur) / (1024.0 * 1024.0));
   if (rank == 0) {
-    for (auto& v : variants) {
+    for (int64_t index = 0; index < static_cast<int64_t>(variants.size()); ++index) {
+      const auto& v = variants[index];
       std::string out =
           "RESULT {\"impl\": \"" + std::string(v->name.starts_with("hp") ? "hp" : "cpp") +
           "\", \"variant\": \"" + v->name + "\", \"label\": \"" + o.label +
           "\", \"world\": " + std::to_string(ranks) + ", \"mesh\": \"" + std::to_string(replicate) +
           "x" + std::to_string(shard) + "\", \"steps\": " + std::to_string(v->times.size()) +
+          ", \"warmup\": " + std::to_string(o.warmup) +
           ", \"error\": null, \"copied_bytes\": " + std::to_string(v->copied_bytes) +
           ", \"copied_bytes_comm\": " + std::to_string(v->copied_bytes_comm);
       int64_t local_numel = 0;
       for (const auto& p : v->module->parameters()) local_numel += p.numel();
       out += ", \"local_params\": " + std::to_string(local_numel);
-      for (int64_t column : {0, 1}) {
-        out += column == 0 ? ", \"peak_rss_mib\": [" : ", \"base_rss_mib\": [";
+      if (o.model == "transformer") {
+        out +=
+            ", \"model\": {\"dim\": " + std::to_string(o.dim) +
+            ", \"layers\": " + std::to_string(o.layers) +
+            ", \"heads\": " + std::to_string(o.heads) + ", \"vocab\": " + std::to_string(o.vocab) +
+            ", \"ffn\": " + std::to_string(config.ffn_hidden) +
+            ", \"seq\": " + std::to_string(o.seq) + ", \"batch\": " + std::to_string(o.batch) + "}";
+      }
+      out += ", \"params\": " + std::to_string(total_params) +
+             ", \"block_params\": " + std::to_string(block_params) +
+             ", \"deferred_init\": " + (o.deferred_init ? "true" : "false") +
+             ", \"rlimit_data_mib\": " + limit_mib + ", \"loss\": " + json_number(v->last_loss);
+      for (int64_t column : {int64_t{0}, int64_t{1}, 2 + index}) {
+        out += column == 0   ? ", \"peak_rss_mib\": ["
+               : column == 1 ? ", \"base_rss_mib\": ["
+                             : ", \"boundary_rss_mib\": [";
         for (int64_t r = 0; r < ranks; ++r) {
           out += (r ? ", " : "") + json_number(all_rss[r][column].item<double>());
         }

@@ -99,13 +99,77 @@ def machine():
     return info
 
 
+# The sections of the document, in order, and the bench/run.sh section that writes each
+# ("common": only a full run rewrites it).
+SECTIONS = [
+    (None, "common"),  # the title and the paragraph under it
+    ("Machine", "common"),
+    ("Scaled down from the issue, and why", "common"),
+    ("Method", "common"),
+    ("Step time", "steps"),
+    ("Peak RSS", "memory"),
+    ("Bigger than one rank", "beyond"),
+    ("Scheduling overhead", "overhead"),
+    ("Bandwidth-limited run", "netns"),
+    ("Targets", "common"),
+    ("Discussion", "common"),
+]
+# Which run.sh section a row of the targets table belongs to, by how its text starts.
+TARGET_PREFIXES = {
+    "steps": ("step <=",),
+    "memory": ("peak RSS", "peak <= ideal", "RAF=true below"),
+    "beyond": ("bigger than one rank",),
+    "overhead": ("scheduling overhead",),
+    "netns": ("overlap efficiency",),
+}
+
+
+def target_section(text):
+    return next((s for s, pre in TARGET_PREFIXES.items() if text.startswith(pre)), None)
+
+
 class Report:
     def __init__(self, results):
-        self.results = results
-        self.lines = []
+        self.results = [r for r in results if "meta" not in r]
+        # run.sh's line per section: its command, duration and load
+        self.meta = {r["meta"]: r for r in results if "meta" in r}
+        self.sections = {}  # title -> lines
+        self.lines = None
+        self.targets = []  # (section, what, measured, verdict)
+
+    def section(self, title):
+        """Starts section `title` (None: the document's title); p() writes into it."""
+        self.lines = self.sections.setdefault(title, [])
+        self.lines.append(f"## {title}" if title else "# Performance")
+        self.lines.append("")
 
     def p(self, text=""):
         self.lines.append(text)
+
+    def target(self, row):
+        """A row (what, measured, verdict) of the targets table."""
+        section = target_section(row[0])
+        assert section, f"target row '{row[0]}' matches no TARGET_PREFIXES entry"
+        self.targets.append((section, *row))
+
+    def rows(self, label, columns, prefix="", good=None):
+        """(src, variant, title, result) of every ROWS entry with a result under `label`;
+        one that failed gets a table row saying so instead. `prefix`: the cells before the
+        title; `columns`: the table's column count."""
+        good = good or ok
+        pad = "|" * (columns - 1 - prefix.count("|"))
+        for src, variant, title in ROWS:
+            r = self.find(label, src, variant)
+            if r is None:
+                continue
+            if not good(r):
+                self.p(f"| {prefix}{title} | failed: {r.get('error')} {pad}")
+                continue
+            yield src, variant, title, r
+        # A run that ended without results (bench/run.sh records its exit and last line).
+        for r in self.results:
+            if r.get("label") == label and r.get("variant") == "(run)":
+                self.p(f"| {prefix}a run of {r.get('impl')} | failed: {r.get('error')} {pad}")
 
     def find(self, label, src, variant):
         for r in self.results:
@@ -126,7 +190,8 @@ def step_cell(r):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--results", required=True)
+    ap.add_argument("--results", nargs="+", required=True, help="run.sh's SECTION.jsonl files")
+    ap.add_argument("--only", default="", help="the run.sh sections just run (default: all)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=int, default=0)
     ap.add_argument("--load-before", default="?")
@@ -138,25 +203,25 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rate", default="?")
     args = ap.parse_args()
-    rep = Report(load(args.results))
+    rep = Report([r for path in args.results for r in load(path)])
     p, find, best = rep.p, rep.find, rep.best
     m = machine()
-    targets = []  # rows of the targets table
 
     # ------------------------------------------------------------------ header
-    p("# Performance")
-    p()
+    rep.section(None)
     p(
         "Written by `make bench`, which runs `tools/in_env.sh bench/run.sh build`: every "
         "benchmark below, then `bench/report.py`, which rewrites this file from the results "
-        "(`build/bench/results/results.jsonl`; all output in `log.txt`). Re-running it "
+        "(`build/bench/results/SECTION.jsonl`; all output in `log.txt`). Re-running it "
         "replaces every number here. "
         f"This run took {args.seconds // 60} min {args.seconds % 60} s; the transformer "
-        f"runs time {args.steps} steps per variant after {args.warmup} warm-up step(s)."
+        f"runs time {args.steps} steps per variant after {args.warmup} warm-up step(s). "
+        "`bench/run.sh BUILD --only SECTIONS` (steps, memory, beyond, overhead, netns) "
+        "reruns some of them and rewrites only their sections and target rows; a section "
+        "made that way names the command that made it."
     )
     p()
-    p("## Machine")
-    p()
+    rep.section("Machine")
     mem = f", {m['mem_gib']:.0f} GiB RAM" if m["mem_gib"] else ""
     p(
         f"- **{m['cores']} cores** ({m['cpu']}){mem}. All ranks are processes on this "
@@ -183,8 +248,7 @@ def main():
         "steps, as a measure of that noise."
     )
     p()
-    p("## Scaled down from the issue, and why")
-    p()
+    rep.section("Scaled down from the issue, and why")
     p(
         "The issue asks for d=512/L=8 and d=1024/L=8. With reference BLAS and 2 cores for "
         "up to 4 ranks, one step of d=512/L=8 takes seconds per variant, and the whole "
@@ -197,8 +261,7 @@ def main():
         "same layers, shapes and initialisation)."
     )
     p()
-    p("## Method")
-    p()
+    rep.section("Method")
     p(
         "- **Variants side by side.** One process per rank builds every variant of a run "
         "(each with its own model and optimizer, the same initial weights) and steps them "
@@ -261,8 +324,7 @@ def main():
     p()
 
     # ------------------------------------------------------------------ step times
-    p("## Step time")
-    p()
+    rep.section("Step time")
     p(
         "RAF = reshard_after_forward of the blocks (the root never reshards after forward). "
         "`vs DDP`, `vs FSDP2`: step-time ratios, < 1 is faster; FSDP2 is the faster of "
@@ -285,13 +347,7 @@ def main():
                 "vs DDP | vs FSDP2 | copied MB | params/rank |"
             )
             p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-            for src, variant, title in ROWS:
-                r = find(label, src, variant)
-                if r is None:
-                    continue
-                if not ok(r):
-                    p(f"| {title} | failed: {r.get('error')} |||||||||")
-                    continue
+            for src, variant, title, r in rep.rows(label, columns=10):
                 plain = variant.startswith(("local", "comm"))
                 local = find(label, src, "local")
                 exposed = None if plain or not ok(local) else fwd_bwd(r) - fwd_bwd(local)
@@ -377,7 +433,7 @@ def main():
                     verdict = f"met on raw time only ({fmt(worst, 2)} > 0.85 over own compute)"
                 else:
                     verdict = f"missed by {fmt(worst - 0.85, 2)}"
-                targets.append(
+                rep.target(
                     (
                         f"step <= 0.85 x FSDP2 at RAF=false, {s['label']}",
                         f"{fmt(f2[2], 2)} raw, {fmt(f2[3], 2)} own-compute",
@@ -385,60 +441,12 @@ def main():
                     )
                 )
 
-    # ------------------------------------------------------------------ memory
-    mem_rows = [r for r in rep.results if r.get("label", "").startswith("mem/")]
-    if mem_rows:
-        p("## Peak RSS")
-        p()
-        p(
-            "Dimension 256, 4 layers: 4.48 M parameters, 17 MiB in fp32, 68 MiB with "
-            "gradients and AdamW state when nothing is sharded. 1 warm-up + 2 timed steps, "
-            "one variant per process. `baseline`: RSS after start-up (LibTorch, Gloo, the "
-            "process groups; for Python also the interpreter and its imports), before any "
-            "model exists. `above baseline`: max over ranks of (VmHWM - baseline), what "
-            "the model, optimizer and steps cost."
-        )
-        p()
-        p("| mesh | variant | peak RSS MiB (max rank) | baseline MiB | above baseline MiB |")
-        p("|---|---|---:|---:|---:|")
-        for mesh in MESHES:
-            label = f"mem/d256L4/{mesh}"
-            found = {}
-            for src, variant, title in ROWS:
-                r = find(label, src, variant)
-                if r is None:
-                    continue
-                if r.get("error") or not r.get("peak_rss_mib"):
-                    p(f"| {mesh} | {title} | failed: {r.get('error')} | | |")
-                    continue
-                peaks, bases = r["peak_rss_mib"], r.get("base_rss_mib") or []
-                above = max(a - b for a, b in zip(peaks, bases)) if bases else None
-                found[variant] = (max(peaks), above)
-                p(
-                    f"| {mesh} | {title} | {fmt(max(peaks))} | "
-                    f"{fmt(max(bases)) if bases else '–'} | {fmt(above)} |"
-                )
-            if "hp:keep" in found and "fsdp2" in found:
-                (hp_peak, hp_above), (f2_peak, f2_above) = found["hp:keep"], found["fsdp2"]
-                verdict = "met" if hp_peak <= f2_peak else "missed"
-                if hp_above is not None and f2_above is not None:
-                    verdict += (
-                        ", also above baseline" if hp_above <= f2_above else ", but not above baseline"
-                    )
-                targets.append(
-                    (
-                        f"peak RSS <= FSDP2's at RAF=false, d256L4 {mesh}",
-                        f"{fmt(hp_peak, 0)} vs {fmt(f2_peak, 0)} MiB; above baseline "
-                        f"{fmt(hp_above, 0)} vs {fmt(f2_above, 0)} MiB",
-                        verdict,
-                    )
-                )
-        p()
+    memory_section(rep, args)
+    beyond_section(rep, args)
 
     # ------------------------------------------------------------------ tiny
     if any(r.get("label", "").startswith("tiny/") for r in rep.results):
-        p("## Scheduling overhead")
-        p()
+        rep.section("Scheduling overhead")
         p(
             f"{BLOCKS_TINY} blocks of `Linear(8, 8)`, each fully_shard-ed (FSDP2: "
             "`fully_shard`), batch 4, 20 timed steps: compute and bytes are negligible, so "
@@ -461,13 +469,7 @@ def main():
         p("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in (1, 2):
             label = f"tiny/1x{n}"
-            for src, variant, title in ROWS:
-                r = find(label, src, variant)
-                if r is None:
-                    continue
-                if not ok(r):
-                    p(f"| {n} | {title} | failed: {r.get('error')} |||||||")
-                    continue
+            for src, variant, title, r in rep.rows(label, columns=9, prefix=f"{n} | "):
                 local = find(label, src, "local")
                 over = None
                 if not variant.startswith(("local", "comm")) and ok(local):
@@ -486,7 +488,7 @@ def main():
                 hp_over = (hp_b["step_ms"] - hl["step_ms"]) * 1000 / BLOCKS_TINY
                 f2_over = (f2["step_ms"] - pl["step_ms"]) * 1000 / BLOCKS_TINY
                 r = ratio(hp_over, f2_over)
-                targets.append(
+                rep.target(
                     (
                         f"scheduling overhead per block <= 1/5 of FSDP2's, {n} rank(s)",
                         f"`{hp_b['variant']}` {fmt(hp_over, 0)} µs vs {fmt(f2_over, 0)} µs = {fmt(r, 2)}",
@@ -498,8 +500,7 @@ def main():
     # ------------------------------------------------------------------ bandwidth-limited
     label = "netns/d128L8/1x2"
     if any(r.get("label") == label for r in rep.results):
-        p("## Bandwidth-limited run")
-        p()
+        rep.section("Bandwidth-limited run")
         p(
             f"Dimension 128, **8 layers**, **4 sequences of 64 tokens per rank**, {args.netns_steps} "
             "timed steps (more compute "
@@ -527,13 +528,7 @@ def main():
         comm, comm_keep = find(label, "C++", "comm"), find(label, "C++", "comm:keep")
         comm_gloo = find(label, "C++", "comm:keep+gloo")
         effs = []
-        for src, variant, title in ROWS:
-            r = find(label, src, variant)
-            if r is None:
-                continue
-            if not ok(r):
-                p(f"| {title} | failed: {r.get('error')} ||||||")
-                continue
+        for src, variant, title, r in rep.rows(label, columns=7):
             local = find(label, src, "local")
             t_comp = fwd_bwd(local)
             if src == "Python":
@@ -571,7 +566,7 @@ def main():
             p()
         for src, variant, eff in effs:
             if src == "C++":
-                targets.append(
+                rep.target(
                     (
                         f"overlap efficiency >= 0.8, bandwidth-limited, `{variant}`",
                         fmt(eff, 2),
@@ -580,27 +575,309 @@ def main():
                 )
 
     # ------------------------------------------------------------------ targets
-    p("## Targets")
-    p()
+    rep.section("Targets")
     p(
         "Step-time verdicts use the larger (less favourable) of the raw ratio and the "
         "own-compute ratio: the raw one alone would credit HyperParallel with the speed of "
         "C++ over Python in the model code and with load changes between the two programs' "
-        "runs."
+        "runs. Memory verdicts: see the Peak RSS section for the ideal model they use."
     )
     p()
     p("| target | measured | verdict |")
     p("|---|---|---|")
-    for t in targets:
-        p(f"| {t[0]} | {t[1]} | {t[2]} |")
-    p()
-    p(DISCUSSION)
-    text = "\n".join(rep.lines) + "\n"
+    rep.section("Discussion")
+    rep.lines.extend(DISCUSSION.splitlines()[2:])
+
+    only = [x for x in args.only.split(",") if x]
+    if only and os.path.exists(args.out):
+        with open(args.out) as f:
+            text = splice(f.read(), rep, only)
+    else:
+        text = document(rep)
     with open(args.out, "w") as f:
         f.write(text)
     start, end = text.find("## Step time"), text.find("## Discussion")
     print(text[start:end].rstrip())
     print(f"\nreport: wrote {args.out}")
+
+
+MIB = 2**20
+
+
+def made_by(rep, section):
+    """A sentence naming the command, duration and load of a run.sh section."""
+    meta = rep.meta.get(section)
+    if not meta:
+        return ""
+    sec = meta["seconds"]
+    return (
+        f"Made by `{meta['command']}` ({sec // 60} min {sec % 60} s; load average "
+        f"{meta['load_before']} before, {meta['load_after']} after)."
+    )
+
+
+def activation_bytes(model):
+    """fp32 bytes autograd keeps from forward to backward for one sequence batch of
+    models/transformer.h (`bench/fsdp2_bench.py` is the same model), counted from its
+    forward: per block 2 per RMSNorm (normalized, scaled), q, k, v and the merged heads
+    (4), the residual sum and the block output (2): 10 x [B, T, d]; the SwiGLU's w1, silu,
+    w3 and product: 4 x [B, T, ffn]; the softmax probabilities [B, heads, T, T]. Outside
+    the blocks: the embedding sum, the final norm's 2, logits and log-softmax [B, T, vocab]."""
+    b, t, d = model["batch"], model["seq"], model["dim"]
+    per_block = 10 * b * t * d + 4 * b * t * model["ffn"] + b * model["heads"] * t * t
+    outside = 3 * b * t * d + 2 * b * t * model["vocab"]
+    return 4 * (model["layers"] * per_block + outside)
+
+
+def ideal_zero3_mib(r, ranks, base_mib):
+    """The ideal ZeRO-3 peak of one rank: 16 bytes per parameter (fp32 parameter, gradient
+    and AdamW's two moments) / N, two blocks unsharded with their gradients (8 bytes per
+    parameter: the block computing and the one prefetched or still reducing), activations,
+    and the process baseline. On one rank nothing is unsharded beyond the state itself."""
+    unsharded = 2 * 8 * r["block_params"] if ranks > 1 else 0
+    return base_mib + (16 * r["params"] / ranks + unsharded + activation_bytes(r["model"])) / MIB
+
+
+def rss_ok(r):
+    return not r.get("error") and bool(r.get("peak_rss_mib"))
+
+
+def rss_summary(r):
+    """(peak, baseline, peak - baseline, boundary - baseline): max over ranks, MiB."""
+    peaks, bases = r["peak_rss_mib"], r["base_rss_mib"]
+    bounds = r.get("boundary_rss_mib") or []
+    return (
+        max(peaks),
+        max(bases),
+        max(a - b for a, b in zip(peaks, bases)),
+        max((a - b for a, b in zip(bounds, bases)), default=None),
+    )
+
+
+def memory_section(rep, args):
+    runs = [r for r in rep.results if r.get("label", "").startswith("memory/")]
+    if not runs:
+        return
+    p = rep.p
+    ref = next((r for r in runs if r.get("model") and r.get("params")), None)
+    rep.section("Peak RSS")
+    if ref is None:
+        p("No memory run succeeded; see `build/bench/results/log.txt`.")
+        p()
+        return
+    model, params, block = ref["model"], ref["params"], ref["block_params"]
+    layers = model["layers"]
+    act_mib = activation_bytes(model) / MIB
+    p(
+        f"Memory scaling of one model: dim {model['dim']}, **{layers} blocks**, "
+        f"{model['heads']} heads, ffn {model['ffn']}, vocabulary {model['vocab']}: "
+        f"**{params / 1e6:.1f} M parameters** ({block / 1e6:.2f} M per block), "
+        f"**{16 * params / MIB:.0f} MiB of fp32 training state** (parameter, gradient, two "
+        f"AdamW moments: 16 bytes per parameter) when nothing is sharded. {model['batch']} "
+        f"sequence of {model['seq']} tokens per rank, 1 warm-up + 1 timed step (the second "
+        "step runs with the optimizer state in place). Every model is built with deferred "
+        "initialization (`hp_bench --deferred-init`: `hp::deferred_init`, fully_shard, "
+        "`hp::materialize`; FSDP2: the meta device, `fully_shard`, `to_empty`, init), so no "
+        "rank ever holds the whole model; the DDP baseline materializes it whole, as it must. "
+        "One variant per process, so the process's high-water mark (VmHWM) is the variant's. "
+        + made_by(rep, "memory")
+    )
+    p()
+    p(
+        "`baseline`: RSS after start-up (LibTorch, Gloo, the process groups; for Python also "
+        "the interpreter and its imports), before any model exists. `above baseline`: max "
+        "over ranks of (VmHWM - baseline). `at fwd/bwd`: RSS at the end of the last "
+        "step's forward, minus the baseline (max over ranks): what is held between forward "
+        "and backward. `ideal ZeRO-3` = baseline + 16 bytes x parameters / N + 2 blocks "
+        f"unsharded with their gradients (8 bytes x {block / 1e6:.2f} M x 2 = "
+        f"{16 * block / MIB:.0f} MiB; none on 1 rank) + activations ({act_mib:.0f} MiB, "
+        "counted from the model's forward: `activation_bytes` in `bench/report.py`). It "
+        "applies to the variants that reshard after forward (hp, hp comm_fusion). Peak-RSS "
+        f"runs set `GLIBC_TUNABLES={args.memory_malloc}`: blocks of 128 KiB or more are "
+        "mapped on allocation and unmapped on free, so RSS follows the live tensors."
+    )
+    p()
+    p(
+        "| ranks | variant | peak RSS MiB (max rank) | baseline MiB | above baseline MiB | "
+        "at fwd/bwd MiB | ideal ZeRO-3 MiB | peak / ideal |"
+    )
+    p("|---:|---|---:|---:|---:|---:|---:|---:|")
+    found = {}  # (ranks, variant) -> (peak, base, above, boundary, ideal)
+    for n in (1, 2, 4):
+        label = f"memory/d{model['dim']}L{layers}/1x{n}"
+        for src, variant, title, r in rep.rows(label, columns=8, prefix=f"{n} | ", good=rss_ok):
+            peak, base, above, boundary = rss_summary(r)
+            ideal = None
+            if variant in ("hp", "hp:fusion") and r.get("params"):
+                ideal = ideal_zero3_mib(r, n, base)
+            found[(n, variant)] = (peak, base, above, boundary, ideal)
+            p(
+                f"| {n} | {title} | {fmt(peak)} | {fmt(base)} | {fmt(above)} | {fmt(boundary)} "
+                f"| {fmt(ideal)} | {fmt(ratio(peak, ideal), 2)} |"
+            )
+    p()
+    freed_target = 0.8 * (layers - 2) * 4 * block / MIB
+    p(
+        f"RAF=false keeps every block's parameters unsharded from its forward to its "
+        f"backward ({layers} x {4 * block / MIB:.0f} MiB); RAF=true frees them after each "
+        f"block's forward and holds about 2. The issue's bound on the difference: 80% of "
+        f"({layers}-2)/{layers} of the blocks' unsharded bytes = **{freed_target:.0f} MiB**."
+    )
+    p()
+    for n in (1, 2, 4):
+        hp_, keep, f2 = found.get((n, "hp")), found.get((n, "hp:keep")), found.get((n, "fsdp2"))
+        for variant in ("hp", "hp:fusion"):
+            got = found.get((n, variant))
+            if got and got[4]:
+                r = got[0] / got[4]
+                rep.target(
+                    (
+                        f"peak <= ideal ZeRO-3 + 10%, `{variant}`, {n} rank(s)",
+                        f"{fmt(got[0], 0)} vs {fmt(got[4], 0)} MiB = {fmt(r, 2)}",
+                        "met" if r <= 1.1 else f"missed by {fmt(got[0] - 1.1 * got[4], 0)} MiB",
+                    )
+                )
+        if n > 1 and hp_ and keep:
+            peak_gap, bound_gap = keep[0] - hp_[0], None
+            if keep[3] is not None and hp_[3] is not None:
+                bound_gap = keep[3] - hp_[3]
+            at_boundary = bound_gap is not None and bound_gap >= freed_target
+            rep.target(
+                (
+                    f"RAF=true below RAF=false by >= {freed_target:.0f} MiB, {n} ranks",
+                    f"peak {fmt(hp_[0], 0)} vs {fmt(keep[0], 0)} MiB: {fmt(peak_gap, 0)} MiB "
+                    f"lower; at fwd/bwd {fmt(bound_gap, 0)} MiB lower",
+                    "met" if peak_gap >= freed_target else
+                    f"missed on peak by {fmt(freed_target - peak_gap, 0)} MiB"
+                    + ("; met at fwd/bwd" if at_boundary else ""),
+                )
+            )
+        if keep and f2:
+            verdict = "met" if keep[0] <= f2[0] else "missed"
+            verdict += (
+                ", also above baseline" if keep[2] <= f2[2] else ", but not above baseline"
+            )
+            rep.target(
+                (
+                    f"peak RSS <= FSDP2's at RAF=false, {n} rank(s)",
+                    f"{fmt(keep[0], 0)} vs {fmt(f2[0], 0)} MiB; above baseline "
+                    f"{fmt(keep[2], 0)} vs {fmt(f2[2], 0)} MiB",
+                    verdict,
+                )
+            )
+
+
+def beyond_section(rep, args):
+    runs = [r for r in rep.results if r.get("label", "").startswith("beyond/")]
+    if not runs:
+        return
+    p = rep.p
+    rep.section("Bigger than one rank")
+    sharded = next((r for r in runs if r["label"].endswith("/1x4")), None)
+    plain = next((r for r in runs if r["label"].endswith("/1x1")), None)
+    ref = next((r for r in runs if r.get("params")), None)
+    limit = next((r["rlimit_data_mib"] for r in runs if r.get("rlimit_data_mib")), None)
+    if ref:
+        m = ref["model"]
+        state = 16 * ref["params"] / MIB
+        p(
+            f"A model whose full fp32 training state does not fit one rank's memory limit: "
+            f"dim {m['dim']}, {m['layers']} blocks, {m['heads']} heads, ffn {m['ffn']}, "
+            f"vocabulary {m['vocab']}, **{ref['params'] / 1e6:.1f} M parameters, "
+            f"{state:.0f} MiB of training state** (16 bytes per parameter), against a limit of "
+            f"**{fmt(limit, 0)} MiB per rank**. {m['batch']} sequence of {m['seq']} tokens "
+            "per rank, AdamW. " + made_by(rep, "beyond")
+        )
+        p()
+    p(
+        "The limit is **RLIMIT_DATA**, set on each rank's process by `prlimit --data=BYTES` "
+        "(bench/run.sh, section `beyond`; every rank reports the limit it ran under, "
+        "`getrlimit`): the kernel refuses to map private writable memory beyond it (heap, "
+        "`mmap`'d tensors, thread stacks), so an allocation past it fails in the allocator. "
+        "It bounds *virtual* private memory, which is at least the resident memory, so it "
+        "is stricter than a cgroup's RSS limit. (cgroup v2 `memory.max` is not available "
+        "in this build root: its /sys/fs/cgroup is not mounted there.)"
+    )
+    p()
+    p(
+        "| run | ranks | result | peak RSS MiB (max rank) | above baseline MiB "
+        "| loss (rank 0, last step) |"
+    )
+    p("|---|---:|---|---:|---:|---:|")
+    for r, what in ((sharded, "fully_shard, deferred init"), (plain, "not sharded, eager build")):
+        if r is None:
+            continue
+        if rss_ok(r):
+            peak, _, above, _ = rss_summary(r)
+            p(
+                f"| {what} | {r.get('world')} | trained "
+                f"{r.get('warmup', 0) + r.get('steps', 0)} steps | "
+                f"{fmt(peak)} | {fmt(above)} | {fmt(r.get('loss'), 3)} |"
+            )
+        else:
+            ranks = r["label"].rsplit("x", 1)[-1]
+            p(f"| {what} | {ranks} | failed: {r.get('error')} | – | – | – |")
+    p()
+    if ref and limit:
+        fits = sharded is not None and rss_ok(sharded)
+        fails = plain is not None and not rss_ok(plain)
+        rep.target(
+            (
+                "bigger than one rank: state > limit, trains sharded on 4 ranks, fails unsharded",
+                f"{16 * ref['params'] / MIB:.0f} MiB state, {fmt(limit, 0)} MiB limit; sharded "
+                + ("trained" if fits else "failed")
+                + ", unsharded "
+                + ("failed" if fails else "ran"),
+                "met" if fits and fails and 16 * ref["params"] / MIB > limit else "missed",
+            )
+        )
+
+
+def table_row(row):
+    return "| " + " | ".join(row) + " |"
+
+
+def document(rep):
+    """The whole document from this run's results."""
+    out = []
+    for title, _ in SECTIONS:
+        lines = list(rep.sections.get(title, []))
+        if title == "Targets":
+            at = lines.index("|---|---|---|") + 1
+            lines[at:at] = [table_row(t[1:]) for t in rep.targets] + [""]
+        out += lines
+    return "\n".join(out).rstrip() + "\n"
+
+
+def split_sections(text):
+    """{title: lines} of a document written by document() (title None: before the first ##)."""
+    sections, title = {None: []}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            title = line[3:]
+            sections[title] = []
+        sections[title].append(line)
+    return sections
+
+
+def splice(old_text, rep, only):
+    """The old document with the sections and target rows of the run.sh sections in
+    `only` replaced by this run's; everything else stays as it was."""
+    old = split_sections(old_text)
+    out = []
+    for title, owner in SECTIONS:
+        if title == "Targets" and title in old:
+            lines = old[title]
+            kept = [l for l in lines if not l.startswith("| ") or l.startswith("| target |")
+                    or target_section(l[2:]) not in only]
+            at = max(i for i, l in enumerate(kept) if l.startswith("|")) + 1
+            kept[at:at] = [table_row(t[1:]) for t in rep.targets if t[0] in only]
+            out += kept
+        elif owner in only:
+            out += rep.sections.get(title, [])
+        else:
+            out += old.get(title, [])
+    return "\n".join(out).rstrip() + "\n"
 
 
 DISCUSSION = """## Discussion

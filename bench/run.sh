@@ -3,16 +3,50 @@
 # results (bench/report.py) and prints its tables.
 #
 #   tools/in_env.sh bench/run.sh [BUILD_DIR]      (what `make bench` runs)
+#   tools/in_env.sh bench/run.sh BUILD_DIR --only memory,beyond
+#
+# Sections: steps (step times), memory (peak RSS on 1, 2, 4 ranks against the ideal
+# ZeRO-3 model), beyond (a model bigger than one rank's memory limit), overhead
+# (scheduling overhead), netns (bandwidth-limited). --only runs the listed ones and
+# rewrites only their parts of the report (their sections and target rows); the rest of
+# docs/performance.md stays as it was.
 #
 # Environment: BENCH_STEPS / BENCH_WARMUP (timed / warm-up steps of the transformer runs,
 # default 6 / 1), BENCH_NETNS=0 skips the bandwidth-limited run (it needs root),
 # BENCH_RATE its link rate (default 200mbit), BENCH_NETNS_STEPS its timed steps (default
-# 10: its efficiencies are differences of step times), BENCH_REPORT (default
-# docs/performance.md). Raw results: BUILD_DIR/bench/results/{results.jsonl,log.txt}.
+# 10: its efficiencies are differences of step times), BENCH_MEMORY_SEQ the sequence
+# length of the memory runs (default 16), BENCH_BEYOND_LIMIT_MIB the per-rank limit of the
+# beyond run (default 1024), BENCH_REPORT (default docs/performance.md). Raw results:
+# BUILD_DIR/bench/results/{SECTION.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-BUILD=${1:-build}
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ALL_SECTIONS=steps,memory,beyond,overhead,netns
+BUILD=build
+SECTIONS=$ALL_SECTIONS
+COMMAND="make bench"
+while [ $# -gt 0 ]; do
+  case $1 in
+    --only)
+      [ $# -ge 2 ] || { echo "bench/run.sh: --only needs a list, e.g. --only memory" >&2; exit 2; }
+      SECTIONS=$2
+      shift 2
+      ;;
+    -*) echo "bench/run.sh: unknown option $1 (usage: bench/run.sh [BUILD_DIR] [--only SECTIONS])" >&2; exit 2 ;;
+    *) BUILD=$1; shift ;;
+  esac
+done
+for s in ${SECTIONS//,/ }; do
+  [[ ",$ALL_SECTIONS," == *",$s,"* ]] ||
+    { echo "bench/run.sh: unknown section '$s' (sections: $ALL_SECTIONS)" >&2; exit 2; }
+done
+[ "$SECTIONS" = "$ALL_SECTIONS" ] || COMMAND="tools/in_env.sh bench/run.sh $BUILD --only $SECTIONS"
+# The report names the command; settings from the environment are part of it.
+for v in BENCH_STEPS BENCH_WARMUP BENCH_NETNS BENCH_RATE BENCH_NETNS_STEPS BENCH_MEMORY_SEQ \
+  BENCH_BEYOND_LIMIT_MIB BENCH_GLIBC_TUNABLES; do
+  [ -z "${!v+x}" ] || COMMAND="$v=${!v} $COMMAND"
+done
+selected() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 STEPS=${BENCH_STEPS:-6}
 WARMUP=${BENCH_WARMUP:-1}
 RATE=${BENCH_RATE:-200mbit}
@@ -36,14 +70,15 @@ for f in "$HP_BENCH" "$BUILD/hp-run"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
 done
 mkdir -p "$OUT"
-: >"$OUT/results.jsonl"
+for s in ${SECTIONS//,/ }; do : >"$OUT/$s.jsonl"; done
 : >"$OUT/log.txt"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start_all=$SECONDS
 HPRUN_OPTS=()
 
 # launch LABEL NRANKS PROGRAM ARGS...: one multi-rank run; rank 0's RESULT lines are
-# appended to results.jsonl, a failure is recorded as a result with an error.
+# appended to $RESULTS (the running section's file), a failure is recorded as a result
+# with an error.
 launch() {
   local label=$1 n=$2
   shift 2
@@ -53,11 +88,11 @@ launch() {
   "$BUILD/hp-run" -n "$n" --timeout 600 "${HPRUN_OPTS[@]}" -- "$@" --label "$label" >"$tmp" 2>&1
   rc=$?
   { echo "=== $label: $*"; cat "$tmp"; } >>"$OUT/log.txt"
-  grep -a '^\[rank 0\] RESULT ' "$tmp" | sed 's/^\[rank 0\] RESULT //' >>"$OUT/results.jsonl"
+  grep -a '^\[rank 0\] RESULT ' "$tmp" | sed 's/^\[rank 0\] RESULT //' >>"$RESULTS"
   if [ "$rc" != 0 ]; then
     printf '{"label": "%s", "impl": "%s", "variant": "(run)", "error": "exit %s: %s"}\n' \
       "$label" "$what" "$rc" \
-      "$(grep -av Warning "$tmp" | tail -1 | tr -d '"\\' | cut -c1-160)" >>"$OUT/results.jsonl"
+      "$(grep -av Warning "$tmp" | tail -1 | tr -d '"\\' | cut -c1-160)" >>"$RESULTS"
   fi
   rm -f "$tmp"
   printf '  %-20s %-12s %4d s  exit %d\n' "$label" "$what" $((SECONDS - start)) "$rc"
@@ -70,51 +105,80 @@ declare -A SIZE=([d128L4]="--dim 128 --layers 4 --heads 4" [d256L4]="--dim 256 -
 COMMON="--vocab 1024 --seq 64 --batch 1"
 HP_VARIANTS=local,ddp,comm,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep
 PY_VARIANTS=local,fsdp2,fsdp2:prefetch
-
-echo "bench: step times (each run alternates its variants step by step)"
-for size in d128L4 d256L4; do
-  for mesh in 1x2 2x2; do
-    n=$((${mesh%x*} * ${mesh#*x}))
-    py_variants=$PY_VARIANTS
-    # FSDP2 with reshard_after_forward=True fails in backward on CPU; tried once (a
-    # failing variant stops, the others go on).
-    [ "$size/$mesh" = d128L4/1x2 ] && py_variants+=,fsdp2:raf
-    # shellcheck disable=SC2086
-    launch "$size/$mesh" "$n" "$HP_BENCH" ${SIZE[$size]} $COMMON --mesh "$mesh" \
-      --steps "$STEPS" --warmup "$WARMUP" --variants "$HP_VARIANTS"
-    # shellcheck disable=SC2086
-    launch "$size/$mesh" "$n" $PY_BENCH ${SIZE[$size]} $COMMON --mesh "$mesh" \
-      --steps "$STEPS" --warmup "$WARMUP" --variants "$py_variants"
-  done
-done
-
-echo "bench: peak RSS (one variant per process, so VmHWM is that variant's)"
+# Peak-RSS runs: one variant per process (VmHWM is the process's), every block of 128 KiB
+# or more mapped on allocation and unmapped on free (see TIMING_MALLOC above).
 MEMORY_MALLOC=glibc.malloc.mmap_threshold=131072
-export GLIBC_TUNABLES=$MEMORY_MALLOC
-for mesh in 1x2 2x2; do
-  n=$((${mesh%x*} * ${mesh#*x}))
-  variants=(hp:keep fsdp2)
-  # hp:fusion: its fused all-gather buffers are freed right after copy-out, so its peak
-  # should match the per-parameter mode's.
-  [ "$mesh" = 1x2 ] && variants=(ddp hp hp:fusion hp:keep fsdp2)
-  for v in "${variants[@]}"; do
-    if [ "$v" = fsdp2 ]; then prog=$PY_BENCH; else prog=$HP_BENCH; fi
-    # shellcheck disable=SC2086
-    launch "mem/d256L4/$mesh" "$n" $prog ${SIZE[d256L4]} $COMMON --mesh "$mesh" \
-      --steps 2 --warmup 1 --variants "$v" $([ "$prog" = "$HP_BENCH" ] && echo --no-copy-count)
+
+section_steps() {
+  echo "bench: step times (each run alternates its variants step by step)"
+  for size in d128L4 d256L4; do
+    for mesh in 1x2 2x2; do
+      n=$((${mesh%x*} * ${mesh#*x}))
+      py_variants=$PY_VARIANTS
+      # FSDP2 with reshard_after_forward=True fails in backward on CPU; tried once (a
+      # failing variant stops, the others go on).
+      [ "$size/$mesh" = d128L4/1x2 ] && py_variants+=,fsdp2:raf
+      # shellcheck disable=SC2086
+      launch "$size/$mesh" "$n" "$HP_BENCH" ${SIZE[$size]} $COMMON --mesh "$mesh" \
+        --steps "$STEPS" --warmup "$WARMUP" --variants "$HP_VARIANTS"
+      # shellcheck disable=SC2086
+      launch "$size/$mesh" "$n" $PY_BENCH ${SIZE[$size]} $COMMON --mesh "$mesh" \
+        --steps "$STEPS" --warmup "$WARMUP" --variants "$py_variants"
+    done
   done
-done
+}
 
-export GLIBC_TUNABLES=$TIMING_MALLOC
-echo "bench: scheduling overhead (64 blocks of Linear(8, 8), batch 4)"
-for n in 1 2; do
-  launch "tiny/1x$n" "$n" "$HP_BENCH" --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
-    --warmup 3 --no-copy-count --variants local,comm,hp,hp:fusion
-  launch "tiny/1x$n" "$n" $PY_BENCH --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
-    --warmup 3 --variants local,fsdp2
-done
+# The issue's memory model: d=512, 16 blocks (67.7 M parameters, 1.0 GiB of fp32
+# parameters, gradients and AdamW state), deferred-initialized, 1 warm-up + 1 timed step
+# (the second step runs with the optimizer state in place).
+MEMORY_MODEL="--dim 512 --layers 16 --heads 8 --vocab 1024 --seq ${BENCH_MEMORY_SEQ:-16} --batch 1"
+section_memory() {
+  echo "bench: memory scaling (one variant per process, so VmHWM is that variant's)"
+  export GLIBC_TUNABLES=$MEMORY_MALLOC
+  for n in 1 2 4; do
+    for v in hp hp:keep hp:fusion ddp fsdp2; do
+      if [ "$v" = fsdp2 ]; then prog=(python3 bench/fsdp2_bench.py); else prog=("$HP_BENCH" --no-copy-count); fi
+      # shellcheck disable=SC2086
+      launch "memory/d512L16/1x$n" "$n" "${prog[@]}" $MEMORY_MODEL --mesh "1x$n" --steps 1 \
+        --warmup 1 --deferred-init --variants "$v"
+    done
+  done
+  export GLIBC_TUNABLES=$TIMING_MALLOC
+}
 
-if [ "${BENCH_NETNS:-1}" != 0 ]; then
+# A model whose fp32 training state (16 bytes per parameter) exceeds the per-rank limit:
+# d=512, 24 blocks, 101 M parameters, 1.5 GiB. The limit is RLIMIT_DATA (set with
+# prlimit on each rank's process): the kernel refuses any private writable mapping beyond
+# it (malloc'd and mmap'd memory, thread stacks), so an allocation over it fails. Sharded
+# on 4 ranks and deferred-initialized it trains; unsharded (1 rank) it cannot.
+BEYOND_MODEL="--dim 512 --layers 24 --heads 8 --vocab 1024 --seq 16 --batch 1"
+BEYOND_LIMIT_MIB=${BENCH_BEYOND_LIMIT_MIB:-1024}
+section_beyond() {
+  echo "bench: bigger than one rank (RLIMIT_DATA ${BEYOND_LIMIT_MIB} MiB per rank)"
+  export GLIBC_TUNABLES=$MEMORY_MALLOC
+  local limit=(prlimit --data=$((BEYOND_LIMIT_MIB * 1024 * 1024)) --)
+  # shellcheck disable=SC2086
+  launch "beyond/d512L24/1x4" 4 "${limit[@]}" "$HP_BENCH" --no-copy-count $BEYOND_MODEL \
+    --mesh 1x4 --steps 2 --warmup 1 --deferred-init --variants hp
+  # The same model, not sharded, eagerly built (as a plain LibTorch program would).
+  # shellcheck disable=SC2086
+  launch "beyond/d512L24/1x1" 1 "${limit[@]}" "$HP_BENCH" --no-copy-count $BEYOND_MODEL \
+    --mesh 1x1 --steps 2 --warmup 1 --variants local
+  export GLIBC_TUNABLES=$TIMING_MALLOC
+}
+
+section_overhead() {
+  echo "bench: scheduling overhead (64 blocks of Linear(8, 8), batch 4)"
+  for n in 1 2; do
+    launch "tiny/1x$n" "$n" "$HP_BENCH" --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
+      --warmup 3 --no-copy-count --variants local,comm,hp,hp:fusion
+    launch "tiny/1x$n" "$n" $PY_BENCH --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
+      --warmup 3 --variants local,fsdp2
+  done
+}
+
+section_netns() {
+  [ "${BENCH_NETNS:-1}" != 0 ] || return 0
   echo "bench: bandwidth-limited ($RATE per rank, network namespaces + tbf)"
   if bench/netns.sh up 2 "$RATE" >>"$OUT/log.txt" 2>&1; then
     trap 'bench/netns.sh down 2' EXIT
@@ -141,10 +205,25 @@ if [ "${BENCH_NETNS:-1}" != 0 ]; then
     bench/netns.sh down 2 >/dev/null 2>&1
     echo "  (skipped: could not create network namespaces; see $OUT/log.txt)"
   fi
-fi
+}
+
+# Each section writes its own results file, headed by a line saying how it was made.
+for s in ${ALL_SECTIONS//,/ }; do
+  selected "$s" || continue
+  RESULTS=$OUT/$s.jsonl
+  section_start=$SECONDS
+  section_load=$(cut -d' ' -f1-3 /proc/loadavg)
+  "section_$s"
+  printf '{"meta": "%s", "seconds": %d, "command": "%s", "load_before": "%s", "load_after": "%s"}\n' \
+    "$s" $((SECONDS - section_start)) "$COMMAND" "$section_load" \
+    "$(cut -d' ' -f1-3 /proc/loadavg)" >>"$RESULTS"
+done
 
 elapsed=$((SECONDS - start_all))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
-python3 bench/report.py --results "$OUT/results.jsonl" --out "$REPORT" --seconds "$elapsed" \
-  --load-before "$load_before" --load-after "$load_after" --steps "$STEPS" --warmup "$WARMUP" \
-  --rate "$RATE" --netns-steps "$NETNS_STEPS" --malloc "$TIMING_MALLOC" --memory-malloc "$MEMORY_MALLOC"
+results=()
+for s in ${ALL_SECTIONS//,/ }; do [ -s "$OUT/$s.jsonl" ] && results+=("$OUT/$s.jsonl"); done
+python3 bench/report.py --results "${results[@]}" --only "$SECTIONS" --out "$REPORT" \
+  --seconds "$elapsed" --load-before "$load_before" --load-after "$load_after" \
+  --steps "$STEPS" --warmup "$WARMUP" --rate "$RATE" --netns-steps "$NETNS_STEPS" \
+  --malloc "$TIMING_MALLOC" --memory-malloc "$MEMORY_MALLOC"
