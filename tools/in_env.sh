@@ -40,13 +40,13 @@ installed_torch_prefix() {
 run_native() {  # run_native PREFIX CMD...
   local prefix=$1
   shift
-  "$here/host_packages.sh"
   export CMAKE_PREFIX_PATH="$prefix${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
   exec "$@"
 }
 
 mode=${HP_NATIVE:-auto}
 [ "$mode" = 0 ] && exec "$here/buildroot.sh" run "$@"
+"$here/host_packages.sh"
 if prefix=$(installed_torch_prefix); then run_native "$prefix" "$@"; fi
 if "$here/setup_venv.sh" && prefix=$(python_torch_prefix "$venv/bin/python3"); then
   # The venv's python3 runs the Python tools and the tests that read files from Python.
