@@ -721,7 +721,14 @@ def memory_section(rep, args):
         f"RAF=false keeps every block's parameters unsharded from its forward to its "
         f"backward ({layers} x {4 * block / MIB:.0f} MiB); RAF=true frees them after each "
         f"block's forward and holds about 2. The issue's bound on the difference: 80% of "
-        f"({layers}-2)/{layers} of the blocks' unsharded bytes = **{freed_target:.0f} MiB**."
+        f"({layers}-2)/{layers} of the blocks' unsharded bytes = **{freed_target:.0f} MiB**. "
+        "The `at fwd/bwd` column is where that difference is made; the peak of RAF=true "
+        "comes later (where `above baseline` exceeds `at fwd/bwd`: in backward, with the "
+        "gradients arriving, or in the optimizer step), when RAF=false has resharded the "
+        "blocks it finished too, so the peaks differ by less than the boundary does. The "
+        "DDP baseline also holds one flat copy of all gradients for its all-reduce "
+        "(`hp_bench`'s `ddp`); FSDP2's Python process starts about 165 MiB higher, so "
+        "its rows compare best on `above baseline`."
     )
     p()
     for n in (1, 2, 4):
@@ -794,9 +801,10 @@ def beyond_section(rep, args):
         "(bench/run.sh, section `beyond`; every rank reports the limit it ran under, "
         "`getrlimit`): the kernel refuses to map private writable memory beyond it (heap, "
         "`mmap`'d tensors, thread stacks), so an allocation past it fails in the allocator. "
-        "It bounds *virtual* private memory, which is at least the resident memory, so it "
-        "is stricter than a cgroup's RSS limit. (cgroup v2 `memory.max` is not available "
-        "in this build root: its /sys/fs/cgroup is not mounted there.)"
+        "It counts every private writable mapping whether its pages are resident or not "
+        "(file-backed pages such as the libraries' code are not counted, unlike in RSS). "
+        "cgroup v2 `memory.max` was not used: this build root does not mount "
+        "/sys/fs/cgroup, and the host's memory controller is cgroup v1."
     )
     p()
     p(

@@ -90,9 +90,12 @@ launch() {
   { echo "=== $label: $*"; cat "$tmp"; } >>"$OUT/log.txt"
   grep -a '^\[rank 0\] RESULT ' "$tmp" | sed 's/^\[rank 0\] RESULT //' >>"$RESULTS"
   if [ "$rc" != 0 ]; then
+    # The program's own error line if it printed one, else the last line (the launcher's).
+    local why
+    why=$(grep -a -m1 'error' "$tmp" | grep -av Warning)
+    [ -n "$why" ] || why=$(grep -av Warning "$tmp" | tail -1)
     printf '{"label": "%s", "impl": "%s", "variant": "(run)", "error": "exit %s: %s"}\n' \
-      "$label" "$what" "$rc" \
-      "$(grep -av Warning "$tmp" | tail -1 | tr -d '"\\' | cut -c1-160)" >>"$RESULTS"
+      "$label" "$what" "$rc" "$(echo "$why" | tr -d '"\\' | cut -c1-200)" >>"$RESULTS"
   fi
   rm -f "$tmp"
   printf '  %-20s %-12s %4d s  exit %d\n' "$label" "$what" $((SECONDS - start)) "$rc"
@@ -223,7 +226,9 @@ elapsed=$((SECONDS - start_all))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 results=()
 for s in ${ALL_SECTIONS//,/ }; do [ -s "$OUT/$s.jsonl" ] && results+=("$OUT/$s.jsonl"); done
-python3 bench/report.py --results "${results[@]}" --only "$SECTIONS" --out "$REPORT" \
+only=()  # a partial run rewrites only its parts of the report
+[ "$SECTIONS" = "$ALL_SECTIONS" ] || only=(--only "$SECTIONS")
+python3 bench/report.py --results "${results[@]}" "${only[@]}" --out "$REPORT" \
   --seconds "$elapsed" --load-before "$load_before" --load-after "$load_after" \
   --steps "$STEPS" --warmup "$WARMUP" --rate "$RATE" --netns-steps "$NETNS_STEPS" \
   --malloc "$TIMING_MALLOC" --memory-malloc "$MEMORY_MALLOC"
