@@ -112,7 +112,9 @@ void expect_no_survivors(const std::vector<pid_t>& pids) {
 }
 
 bool wait_for_ready_files(const TempDir& dir, int n) {
-  const auto deadline = Clock::now() + 5s;
+  // hp-run of a CUDA build loads LibTorch's CUDA libraries before it starts the ranks:
+  // seconds on a busy machine.
+  const auto deadline = Clock::now() + 30s;
   while (Clock::now() < deadline) {
     int ready = 0;
     for (const auto& entry : fs::directory_iterator(dir.path())) {
