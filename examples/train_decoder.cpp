@@ -501,7 +501,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
     std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
                 learned ? "OK" : "FAILED", final_validation, std::exp(final_validation),
                 learned ? "below" : "not below", unigram);
+    std::fflush(stdout);
   }
+  // Every rank exits with the verdict, after rank 0 printed it: a launcher stops the
+  // others at the first nonzero exit.
+  hp::barrier(all).wait();
   return learned ? 0 : 1;
 }
 
