@@ -241,7 +241,12 @@ std::string printable(const std::string& text) {
 }
 
 int train(const TrainOptions& o, const std::string& resolved) {
-  std::shared_ptr<hp::World> world = hp::default_world();
+  hp::WorldOptions world_options;
+  if (o.timeout > 0) {
+    world_options.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.timeout * 1000)));
+  }
+  std::shared_ptr<hp::World> world = hp::World::from_env(world_options);
   const hp::Group& all = *world->world_group();
   const int64_t ranks = world->size(), rank = world->rank();
   if (o.replicate * o.shard != ranks) {
@@ -498,9 +503,10 @@ int train(const TrainOptions& o, const std::string& resolved) {
                 learned ? "below" : "not below", unigram);
     std::fflush(stdout);
   }
-  // The verdict is rank 0's to report: were the others to fail too, the first to exit would
-  // have the launcher stop rank 0 before it printed.
-  return rank == 0 && !learned ? 1 : 0;
+  // Every rank exits with the verdict, after rank 0 printed it: a launcher stops the
+  // others at the first nonzero exit.
+  hp::barrier(all).wait();
+  return learned ? 0 : 1;
 }
 
 // Before the world is joined: only rank 0 (or a plain single process) prints.
@@ -531,6 +537,10 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::seconds(2));
     }
     return 2;
+  } catch (const c10::Error& error) {
+    // One line, not LibTorch's C++ backtrace (e.g. a collective's timeout).
+    std::fprintf(stderr, "train_decoder: error: %s\n", error.what_without_backtrace());
+    return 1;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "train_decoder: error: %s\n", error.what());
     return 1;

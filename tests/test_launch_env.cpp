@@ -12,7 +12,9 @@ namespace {
 class LaunchEnvTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+    for (const char* name :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HP_TIMEOUT_S",
+          "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"}) {
       unsetenv(name);
     }
   }
@@ -61,6 +63,36 @@ TEST_F(LaunchEnvTest, InvalidValuesAreNamed) {
   set_valid();
   setenv("MASTER_PORT", "70000", 1);
   EXPECT_NE(error_of().find("MASTER_PORT='70000'"), std::string::npos) << error_of();
+}
+
+TEST_F(LaunchEnvTest, TimeoutAndTorchrunVariables) {
+  set_valid();
+  LaunchEnv plain = LaunchEnv::from_environment();
+  EXPECT_FALSE(plain.timeout.has_value());
+  EXPECT_FALSE(plain.agent_store);
+  EXPECT_EQ(plain.restart_count, 0);
+
+  setenv("HP_TIMEOUT_S", "2.5", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+  LaunchEnv env = LaunchEnv::from_environment();
+  ASSERT_TRUE(env.timeout.has_value());
+  EXPECT_EQ(env.timeout->count(), 2500);
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 3);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+  EXPECT_FALSE(LaunchEnv::from_environment().agent_store);
+
+  for (const char* bad : {"0", "-1", "ten", "5s", "nan"}) {
+    setenv("HP_TIMEOUT_S", bad, 1);
+    EXPECT_NE(error_of().find(std::string("HP_TIMEOUT_S='") + bad +
+                              "' is not a positive number of seconds"),
+              std::string::npos)
+        << error_of();
+  }
+  setenv("HP_TIMEOUT_S", "10", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "yes", 1);
+  EXPECT_NE(error_of().find("TORCHELASTIC_USE_AGENT_STORE='yes'"), std::string::npos) << error_of();
 }
 
 }  // namespace

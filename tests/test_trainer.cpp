@@ -4,10 +4,12 @@
 // mid-way resumes from its newest sharded checkpoint (--resume auto) and ends with the
 // checkpoint files of an uninterrupted run, byte for byte; a save directory that cannot
 // be written and a missing corpus fail before the first step; flags override a config
-// file.
+// file; a rank that never starts is named within --timeout; the real torchrun launches it
+// (its agent hosting the store) and restarts it.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -15,6 +17,7 @@
 #include <regex>
 #include <string>
 
+#include "launcher/launcher.h"
 #include "program_run.h"
 
 #ifndef HP_RUN_PATH
@@ -169,6 +172,59 @@ TEST(Trainer, ConfigFileFlagsAndBadInput) {
   EXPECT_EQ(no_data.exit_code, 2) << no_data.output;
   EXPECT_TRUE(contains(no_data.output, "--data: data path " + missing + ": no such file"))
       << no_data.output;
+}
+
+TEST(Trainer, TimeoutFlagNamesARankThatNeverStarts) {
+  // Rank 0 of 2 alone; --timeout wins over the environment's 600 s.
+  const auto start = std::chrono::steady_clock::now();
+  const ProgramRun run =
+      run_program("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                  std::to_string(find_free_port()) + " HP_TIMEOUT_S=600 " + TRAIN_DECODER_PATH +
+                  " --data " + HP_SOURCE_DIR + "/README.md --mesh 1x2 --timeout 3");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(contains(run.output,
+                       "train_decoder: error: start-up join of 2 ranks timed out after 3 s: rank "
+                       "1 of 2 did not arrive"))
+      << run.output;
+  EXPECT_FALSE(contains(run.output, "frame #")) << run.output;
+  // Far below HP_TIMEOUT_S (600 s); the wall time includes starting a loaded process.
+  EXPECT_LT(seconds, 60.0) << run.output;
+}
+
+// torchrun proper (torch.distributed.run of the installed Python torch, through
+// tools/torchrun.py where that torch lacks libuv): its agent hosts the store on
+// MASTER_PORT, and a rank that fails makes it restart both, which resume and finish.
+TEST(Trainer, TorchrunLaunchesAndRestartsTheTrainer) {
+  const ProgramRun probe = run_program("python3 -c 'import torch.distributed.run'");
+  if (probe.exit_code != 0) {
+    GTEST_SKIP() << "torchrun is not available: python3 cannot import torch.distributed.run "
+                    "(install PyTorch, e.g. Debian's python3-torch): "
+                 << probe.output;
+  }
+  TempDir dir;
+  const std::string save = (dir.path / "checkpoints").string();
+  const ProgramRun run = run_program(
+      "OMP_NUM_THREADS=1 python3 " + std::string(HP_SOURCE_DIR) +
+      "/tools/torchrun.py --nproc-per-node 2 --max-restarts 1 --master-port " +
+      std::to_string(find_free_port()) + " --no-python " + TRAIN_DECODER_PATH + " --data " +
+      HP_SOURCE_DIR + "/docs --data " + HP_SOURCE_DIR +
+      "/README.md --mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 "
+      "--sample-bytes 40 --timeout 60 --steps 60 --save-every 20 --resume auto --fail-at-step 45 "
+      "--save " +
+      save);
+  // 60 steps may or may not get below the unigram baseline; torchrun passes the verdict on.
+  const bool learned = contains(run.output, "OK: validation loss");
+  EXPECT_TRUE(learned || contains(run.output, "FAILED: validation loss")) << run.output;
+  EXPECT_EQ(run.exit_code, learned ? 0 : 1) << run.output;
+  for (const std::string& line :
+       {std::string("--fail-at-step 45: failing on purpose"),
+        "resumed from " + save + "/step-00000040 after 40 steps", std::string("step     60/60")}) {
+    EXPECT_TRUE(contains(run.output, line)) << line << "\n" << run.output;
+  }
+  EXPECT_FALSE(contains(run.output, "Address already in use")) << run.output;
+  EXPECT_TRUE(fs::exists(fs::path(save) / "step-00000060" / "COMPLETE")) << run.output;
 }
 
 }  // namespace

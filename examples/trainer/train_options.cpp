@@ -94,6 +94,12 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_flag("--comm-fusion", o.comm_fusion,
                "one all-gather / reduce-scatter per module instead of per parameter")
       ->group("Parallelism");
+  app.add_option("--timeout", o.timeout,
+                 "seconds start-up and every collective wait for the other ranks before failing "
+                 "(naming the ranks that did not arrive); 0: HP_TIMEOUT_S from the environment, "
+                 "else 300")
+      ->check(CLI::Range(0.0, 1e7))
+      ->group("Parallelism");
   app.add_option("--recompute", o.recompute, "activation recomputation of every block")
       ->check(CLI::IsMember({"none", "reentrant", "non-reentrant"}))
       ->group("Parallelism");

@@ -29,6 +29,8 @@ struct TrainOptions {
   std::string mesh = "2x2";  // RxS: replicas x shards
   std::string mp = "none";   // none | bf16
   bool comm_fusion = false;
+  double timeout =
+      0;  // seconds start-up and collectives wait for the others; 0: HP_TIMEOUT_S or 300
   std::string recompute = "none";  // activation recomputation: none | reentrant | non-reentrant
   // Evaluation and output
   int64_t log_every = 0;   // 0: about 20 lines per run

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,28 +50,35 @@ class Group {
 using GroupPtr = std::shared_ptr<Group>;
 
 struct WorldOptions {
-  // How long a collective or the rendezvous waits for the other ranks before failing:
-  // a rank that died makes the others fail after this, never hang forever.
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // How long start-up (reaching the store, every rank arriving, each group's creation)
+  // and every collective wait for the other ranks before failing: a rank that died or
+  // never started makes the others fail after this, with an error naming the ranks that
+  // did not arrive, never hang. Unset: HP_TIMEOUT_S from the environment (seconds), else
+  // 5 minutes.
+  std::optional<std::chrono::milliseconds> timeout;
 };
 
 class World {
  public:
-  // Joins the ranks described by the torchrun-style environment (see LaunchEnv).
+  // Joins the ranks described by the torchrun-style environment (see LaunchEnv): rank 0
+  // hosts a TCPStore on MASTER_PORT (under torchrun, its agent does), every rank
+  // registers there and waits for all the others. Throws std::runtime_error naming the
+  // missing ranks, or std::invalid_argument naming a bad variable, within the timeout.
   static std::shared_ptr<World> from_env(WorldOptions options = {});
   static std::shared_ptr<World> create(const LaunchEnv& env, WorldOptions options = {});
   ~World();
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
-  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
   // The group of all ranks.
   const GroupPtr& world_group() const { return world_group_; }
 
   // Creates the group `ranks` (global ranks, which must contain this rank) under a
   // name unique among groups of this World. Every member must call it, and all members
-  // must create their groups in the same order (the rendezvous blocks until all joined).
+  // must create their groups in the same order (the rendezvous blocks until all joined,
+  // at most timeout(), then throws naming the members that did not come).
   // Names are never reused: a second new_group with a known name throws.
   GroupPtr new_group(const std::string& name, std::vector<int64_t> ranks);
   // The group created under `name` by this rank, or null.
@@ -82,13 +90,15 @@ class World {
 
  private:
   World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-        WorldOptions options);
+        std::chrono::milliseconds timeout);
+  GroupPtr make_group(const std::string& name, std::vector<int64_t> ranks,
+                      const std::string& operation, std::chrono::steady_clock::time_point deadline);
 
   int64_t rank_;
   int64_t size_;
   std::string local_address_;  // where this rank's Gloo transport listens
   c10::intrusive_ptr<c10d::Store> store_;
-  WorldOptions options_;
+  std::chrono::milliseconds timeout_;
   GroupPtr world_group_;
   std::map<std::string, GroupPtr> groups_;
   int64_t mesh_count_ = 0;

@@ -1,5 +1,6 @@
 #include "hyperparallel/launch_env.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -35,6 +36,23 @@ int64_t parse_int(const char* name, const std::string& text, int64_t min, int64_
   return value;
 }
 
+// A positive number of seconds, e.g. "10" or "0.5".
+std::chrono::milliseconds parse_seconds(const char* name, const std::string& text) {
+  size_t used = 0;
+  double seconds = 0;
+  try {
+    seconds = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !std::isfinite(seconds) || seconds <= 0 || seconds > 1e7) {
+    throw std::invalid_argument(std::string("environment variable ") + name + "='" + text +
+                                "' is not a positive number of seconds (how long start-up and "
+                                "collectives wait for the other ranks, e.g. 60)");
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
 }  // namespace
 
 LaunchEnv LaunchEnv::from_environment() {
@@ -46,6 +64,21 @@ LaunchEnv LaunchEnv::from_environment() {
       local && *local ? parse_int("LOCAL_RANK", local, 0, env.world_size - 1) : env.rank;
   env.master_addr = required("MASTER_ADDR");
   env.master_port = static_cast<int>(parse_int("MASTER_PORT", required("MASTER_PORT"), 1, 65535));
+  if (const char* timeout = std::getenv("HP_TIMEOUT_S"); timeout && *timeout) {
+    env.timeout = parse_seconds("HP_TIMEOUT_S", timeout);
+  }
+  // torchrun writes Python's str(bool): "True" or "False".
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent && *agent) {
+    const std::string value = agent;
+    if (value != "True" && value != "False" && value != "1" && value != "0") {
+      throw std::invalid_argument("environment variable TORCHELASTIC_USE_AGENT_STORE='" + value +
+                                  "' is neither True nor False (torchrun sets it)");
+    }
+    env.agent_store = value == "True" || value == "1";
+  }
+  if (const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT"); restart && *restart) {
+    env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", restart, 0, 1 << 30);
+  }
   return env;
 }
 

@@ -1,16 +1,10 @@
 #include "hyperparallel/process_group.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef HP_WITH_NCCL
 #include <torch/cuda.h>
 
@@ -18,36 +12,10 @@
 #endif
 
 #include "hyperparallel/launch_env.h"
+#include "rendezvous.h"
 
 namespace hp {
 namespace {
-
-// The local address this rank uses to reach the master: the kernel's route choice for
-// a UDP "connection" (no packet is sent). Gloo must listen on an address the other
-// ranks can reach, and the machine's hostname may not resolve.
-std::string local_address_towards(const std::string& master_addr, int master_port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(master_addr.c_str(), std::to_string(master_port).c_str(), &hints, &found) != 0 ||
-      !found) {
-    throw std::invalid_argument("MASTER_ADDR='" + master_addr +
-                                "' does not resolve to an IPv4 address; use an address or a "
-                                "resolvable host name of the rank-0 machine");
-  }
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  sockaddr_in local{};
-  socklen_t length = sizeof(local);
-  bool ok = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
-            getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
-  if (fd >= 0) close(fd);
-  freeaddrinfo(found);
-  if (!ok) throw std::runtime_error("no network route to MASTER_ADDR='" + master_addr + "'");
-  char text[INET_ADDRSTRLEN] = {};
-  inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text));
-  return text;
-}
 
 std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& local_address) {
   // GLOO_SOCKET_IFNAME is PyTorch's knob for the same choice; honour it.
@@ -84,12 +52,12 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-             WorldOptions options)
+             std::chrono::milliseconds timeout)
     : rank_(rank),
       size_(size),
       local_address_(std::move(address)),
       store_(std::move(store)),
-      options_(options) {}
+      timeout_(timeout) {}
 
 World::~World() = default;
 
@@ -98,22 +66,20 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
 }
 
 std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options) {
-  if (options.timeout.count() <= 0) {
+  const std::chrono::milliseconds timeout =
+      options.timeout.value_or(env.timeout.value_or(std::chrono::minutes(5)));
+  if (timeout.count() <= 0) {
     throw std::invalid_argument("WorldOptions::timeout must be positive");
   }
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0;
-  store_options.numWorkers = static_cast<int>(env.world_size);
-  store_options.waitWorkers = true;
-  store_options.timeout = options.timeout;
-  store_options.useLibUV = false;  // this LibTorch is built without libuv
-  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
-  std::string address = local_address_towards(env.master_addr, env.master_port);
-  std::shared_ptr<World> world(new World(env.rank, env.world_size, address, store, options));
+  // One deadline for the whole start-up: reaching the store and every rank arriving.
+  const auto deadline = detail::Deadline::after(timeout);
+  detail::StoreConnection connection = detail::connect_store(env, deadline);
+  std::shared_ptr<World> world(
+      new World(env.rank, env.world_size, connection.local_address, connection.store, timeout));
   std::vector<int64_t> all(env.world_size);
   for (int64_t r = 0; r < env.world_size; ++r) all[r] = r;
-  world->world_group_ = world->new_group("world", all);
+  world->world_group_ = world->make_group(
+      "world", all, "start-up join of " + std::to_string(env.world_size) + " ranks", deadline.at);
   return world;
 }
 
@@ -123,6 +89,13 @@ GroupPtr World::find_group(const std::string& name) const {
 }
 
 GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
+  return make_group(name, std::move(ranks), "creating group '" + name + "'",
+                    std::chrono::steady_clock::now() + timeout_);
+}
+
+GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
+                           const std::string& operation,
+                           std::chrono::steady_clock::time_point deadline) {
   if (groups_.count(name)) {
     throw std::invalid_argument("a group named '" + name +
                                 "' already exists; group names identify rendezvous and "
@@ -143,8 +116,11 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
   const int group_size = static_cast<int>(ranks.size());
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
   if (group_size > 1) {
+    // Every member arrives first, so that one missing is named (Gloo's own connection
+    // step would only time out).
+    detail::await_ranks(store_, "hp/" + name, operation, ranks, rank_, {deadline, timeout_});
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("hp/" + name, store_);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout_);
     gloo_options->devices.push_back(gloo_device(local_address_));
     cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
@@ -152,7 +128,7 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
 #ifdef HP_WITH_NCCL
     if (torch::cuda::is_available()) {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = options_.timeout;
+      nccl_options->timeout = timeout_;
       cuda = c10::make_intrusive<c10d::ProcessGroupNCCL>(
           c10::make_intrusive<c10d::PrefixStore>("nccl", prefixed), rank_in_group, group_size,
           nccl_options);

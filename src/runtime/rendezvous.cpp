@@ -1,0 +1,319 @@
+#include "rendezvous.h"
+
+#include <arpa/inet.h>
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "hyperparallel/launch_env.h"
+
+namespace hp::detail {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+Deadline Deadline::after(milliseconds timeout) { return {Clock::now() + timeout, timeout}; }
+
+milliseconds Deadline::remaining() const {
+  return std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(at - Clock::now()));
+}
+
+namespace {
+
+// The extra time the last store requests may take past the deadline before the store
+// counts as lost.
+constexpr milliseconds kGrace{2000};
+
+constexpr const char* kRaiseTimeout =
+    "raise the timeout (HP_TIMEOUT_S=<seconds>, or WorldOptions::timeout) if ranks start slowly";
+
+std::string seconds_text(milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+std::string store_address(const LaunchEnv& env) {
+  return "MASTER_ADDR=" + env.master_addr + " MASTER_PORT=" + std::to_string(env.master_port);
+}
+
+// "rank 3", or "ranks 1, 2, 5" (the first 16, then how many more).
+std::string ranks_text(const std::vector<int64_t>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  constexpr size_t kShown = 16;
+  for (size_t i = 0; i < std::min(ranks.size(), kShown); ++i) {
+    text += (i > 0 ? ", " : "") + std::to_string(ranks[i]);
+  }
+  if (ranks.size() > kShown) text += " and " + std::to_string(ranks.size() - kShown) + " more";
+  return text;
+}
+
+std::string without_backtrace(const std::exception& error) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10_error->what_without_backtrace();
+  }
+  return error.what();
+}
+
+// Runs `work` on a thread of its own and returns its result, or throws
+// std::runtime_error(late()) when `at` passes first. For calls that have no deadline of
+// their own: name resolution, and a TCPStore client facing a listener that accepts but
+// never answers. A late thread is left behind, holding only what `work` captured by value;
+// the caller is about to fail anyway.
+template <typename T>
+T finish_by(Clock::time_point at, std::function<T()> work,
+            const std::function<std::string()>& late) {
+  struct Outcome {
+    std::mutex mutex;
+    std::condition_variable finished;
+    bool done = false;
+    std::optional<T> value;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  std::thread([outcome, work = std::move(work)] {
+    std::optional<T> value;
+    std::exception_ptr error;
+    try {
+      value.emplace(work());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(outcome->mutex);
+    outcome->value = std::move(value);
+    outcome->error = error;
+    outcome->done = true;
+    outcome->finished.notify_all();
+  }).detach();
+  std::unique_lock lock(outcome->mutex);
+  if (!outcome->finished.wait_until(lock, at, [&] { return outcome->done; })) {
+    throw std::runtime_error(late());
+  }
+  if (outcome->error) std::rethrow_exception(outcome->error);
+  return std::move(*outcome->value);
+}
+
+// MASTER_ADDR's IPv4 address, in dotted form.
+std::string resolve_master(const LaunchEnv& env, const Deadline& deadline) {
+  const std::string name = env.master_addr;
+  return finish_by<std::string>(
+      deadline.at,
+      [name] {
+        addrinfo hints{};
+        hints.ai_family = AF_INET;
+        hints.ai_socktype = SOCK_STREAM;
+        addrinfo* found = nullptr;
+        const int status = getaddrinfo(name.c_str(), nullptr, &hints, &found);
+        if (status != 0 || found == nullptr) {
+          throw std::invalid_argument(
+              "MASTER_ADDR='" + name + "' does not resolve to an IPv4 address (" +
+              gai_strerror(status) +
+              "); set MASTER_ADDR to an address or a resolvable host name of the rank-0 machine");
+        }
+        char text[INET_ADDRSTRLEN] = {};
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
+                  sizeof text);
+        freeaddrinfo(found);
+        return std::string(text);
+      },
+      [&] {
+        return "MASTER_ADDR='" + name + "' did not resolve within " +
+               seconds_text(deadline.timeout) +
+               " (the name service does not answer); set MASTER_ADDR to an address, or " +
+               kRaiseTimeout;
+      });
+}
+
+sockaddr_in ipv4(const std::string& address, int port) {
+  sockaddr_in socket_address{};
+  socket_address.sin_family = AF_INET;
+  socket_address.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, address.c_str(), &socket_address.sin_addr);
+  return socket_address;
+}
+
+// The local address this rank uses to reach the master: the kernel's route choice for
+// a UDP "connection" (no packet is sent). Gloo must listen on an address the other
+// ranks can reach, and the machine's hostname may not resolve.
+std::string local_address_towards(const std::string& master, int port) {
+  const sockaddr_in target = ipv4(master, port);
+  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  sockaddr_in local{};
+  socklen_t length = sizeof local;
+  const bool ok = fd >= 0 &&
+                  connect(fd, reinterpret_cast<const sockaddr*>(&target), sizeof target) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  if (fd >= 0) close(fd);
+  if (!ok) throw std::runtime_error("no network route to MASTER_ADDR=" + master);
+  char text[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &local.sin_addr, text, sizeof text);
+  return text;
+}
+
+// Rank 0 is about to host the store: a port held by another program is named now, before
+// the other ranks wait for a store that will never be.
+void check_port_free(const LaunchEnv& env) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return;  // the store's own bind reports it
+  const int on = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  const sockaddr_in any = ipv4("0.0.0.0", env.master_port);
+  const bool in_use =
+      bind(fd, reinterpret_cast<const sockaddr*>(&any), sizeof any) != 0 && errno == EADDRINUSE;
+  close(fd);
+  if (in_use) {
+    throw std::runtime_error(
+        "rank 0 cannot host the store: MASTER_PORT=" + std::to_string(env.master_port) +
+        " is already in use on this machine (another program, or a run still going); pick a "
+        "free MASTER_PORT (hp-run picks one itself; under torchrun its agent hosts the store "
+        "and sets TORCHELASTIC_USE_AGENT_STORE=True)");
+  }
+}
+
+// Whether something accepts TCP connections at address:port within half a second.
+bool accepts_connections(const std::string& address, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  const sockaddr_in target = ipv4(address, port);
+  bool connected = connect(fd, reinterpret_cast<const sockaddr*>(&target), sizeof target) == 0;
+  if (!connected && errno == EINPROGRESS) {
+    pollfd writable{fd, POLLOUT, 0};
+    int error = 0;
+    socklen_t length = sizeof error;
+    connected = poll(&writable, 1, 500) == 1 &&
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
+  }
+  close(fd);
+  return connected;
+}
+
+// Why no store answered at MASTER_ADDR:MASTER_PORT; `detail`: what the client said, if
+// it said anything.
+std::string unreachable_store(const LaunchEnv& env, const std::string& address,
+                              const Deadline& deadline, const std::string& detail) {
+  const std::string host = env.agent_store ? "torchrun's agent" : "rank 0";
+  if (!accepts_connections(address, env.master_port)) {
+    return "start-up join: " + (env.agent_store ? host + " is gone" : "rank 0 did not arrive") +
+           " within " + seconds_text(deadline.timeout) + ": nothing accepts connections at " +
+           store_address(env) + ", where " + host +
+           " hosts the store. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
+           "WORLD_SIZE, or " +
+           kRaiseTimeout;
+  }
+  return "start-up join: the program listening at " + store_address(env) +
+         " did not answer as a TCPStore within " + seconds_text(deadline.timeout) +
+         (detail.empty() ? "" : " (" + detail + ")") +
+         ": another program holds MASTER_PORT; pick a free port (hp-run picks one itself)";
+}
+
+}  // namespace
+
+StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline) {
+  const std::string address = resolve_master(env, deadline);
+  const bool host = env.rank == 0 && !env.agent_store;
+  if (host) check_port_free(env);
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = host;
+  options.numWorkers = static_cast<size_t>(env.world_size);
+  options.waitWorkers = false;  // await_ranks does that, and names who is missing
+  // How long the client retries connecting; longer than the deadline below, which ends
+  // the wait, so that LibTorch's own timeout report (logged with a C++ backtrace) does
+  // not come out of the abandoned attempt while this process reports its own error.
+  options.timeout = 2 * deadline.timeout + kGrace;
+  options.useLibUV = false;  // this LibTorch is built without libuv
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = finish_by<c10::intrusive_ptr<c10d::Store>>(
+        deadline.at,
+        [address, options, timeout = deadline.timeout]() -> c10::intrusive_ptr<c10d::Store> {
+          auto tcp_store = c10::make_intrusive<c10d::TCPStore>(address, options);
+          // A first request that needs an answer: a program that is not a TCPStore shows
+          // itself here (no answer, or a wrong one).
+          tcp_store->check({"hp/store-answers"});
+          tcp_store->setTimeout(timeout);  // for the waits of the groups' rendezvous
+          return tcp_store;
+        },
+        [&] { return unreachable_store(env, address, deadline, ""); });
+  } catch (const c10::Error& error) {
+    if (host) {
+      throw std::runtime_error(
+          "rank 0 cannot host the store on MASTER_PORT=" + std::to_string(env.master_port) + ": " +
+          error.what_without_backtrace());
+    }
+    throw std::runtime_error(
+        unreachable_store(env, address, deadline, error.what_without_backtrace()));
+  }
+  if (env.agent_store) {
+    // The agent's store outlives a failed attempt; a restarted one must not see its keys.
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        "hp/attempt_" + std::to_string(env.restart_count), store);
+  }
+  return {store, local_address_towards(address, env.master_port)};
+}
+
+void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
+                 const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
+                 const Deadline& deadline) {
+  std::vector<std::string> keys;
+  for (int64_t r : ranks) keys.push_back(key_prefix + "/arrived/" + std::to_string(r));
+  const std::string own_key = key_prefix + "/arrived/" + std::to_string(rank);
+  const Clock::time_point until = deadline.at;
+  // The ranks still missing when the deadline passed; empty: all arrived. Polled (every
+  // 10 ms at first, backing off to 200 ms), not a store wait: a wait that times out has
+  // LibTorch log warnings, and the missing ranks are listed from the same checks.
+  const std::vector<int64_t> missing = finish_by<std::vector<int64_t>>(
+      until + kGrace,
+      [store, keys, own_key, ranks, until, operation]() -> std::vector<int64_t> {
+        try {
+          store->set(own_key, std::vector<uint8_t>{1});
+          for (milliseconds pause(10);; pause = std::min(2 * pause, milliseconds(200))) {
+            if (store->check(keys)) return {};
+            if (Clock::now() >= until) break;
+            std::this_thread::sleep_for(
+                std::min(pause, std::chrono::duration_cast<milliseconds>(until - Clock::now())));
+          }
+          std::vector<int64_t> absent;
+          for (size_t i = 0; i < keys.size(); ++i) {
+            if (!store->check({keys[i]})) absent.push_back(ranks[i]);
+          }
+          return absent;
+        } catch (const std::exception& error) {
+          throw std::runtime_error(operation + ": lost the connection to the store (" +
+                                   without_backtrace(error) +
+                                   "); rank 0, which hosts it, has probably exited");
+        }
+      },
+      [&] {
+        return operation + ": the store did not answer within " +
+               seconds_text(deadline.timeout + kGrace) +
+               "; rank 0, which hosts it, is stopped or unreachable";
+      });
+  if (missing.empty()) return;
+  throw std::runtime_error(operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
+                           ranks_text(missing) + " of " + std::to_string(ranks.size()) +
+                           " did not arrive. Start every rank with the same MASTER_ADDR, "
+                           "MASTER_PORT and WORLD_SIZE, or " +
+                           kRaiseTimeout);
+}
+
+}  // namespace hp::detail

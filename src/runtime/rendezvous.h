@@ -1,0 +1,52 @@
+#pragma once
+// Start-up that cannot hang: reaching (or hosting) the TCPStore on MASTER_ADDR:MASTER_PORT
+// and waiting until every member of a group has arrived, each bounded by a deadline, with
+// errors that name the step, the address and the ranks that did not arrive.
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Store;
+}
+
+namespace hp {
+struct LaunchEnv;
+}
+
+namespace hp::detail {
+
+// A point in time and the allowance it came from (for messages).
+struct Deadline {
+  std::chrono::steady_clock::time_point at;
+  std::chrono::milliseconds timeout;
+
+  static Deadline after(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds remaining() const;  // zero once passed
+};
+
+struct StoreConnection {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string local_address;  // this machine's address towards MASTER_ADDR (for Gloo)
+};
+
+// Resolves MASTER_ADDR, then hosts the store (rank 0, unless torchrun's agent hosts it,
+// see LaunchEnv::agent_store) or connects to it, by `deadline`; `deadline.timeout` also
+// becomes the store's timeout for later waits. Under torchrun's agent store the keys of
+// each attempt (TORCHELASTIC_RESTART_COUNT) are kept apart. Throws std::runtime_error
+// (std::invalid_argument for a name that does not resolve) naming the variable or the
+// rank at fault.
+StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline);
+
+// Marks `rank` arrived under `key_prefix` and waits until every rank of `ranks` (global
+// ranks) has, by `deadline`. Throws std::runtime_error naming `operation`, the ranks that
+// did not arrive and how to raise the timeout.
+void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
+                 const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
+                 const Deadline& deadline);
+
+}  // namespace hp::detail

@@ -1,0 +1,176 @@
+// Start-up that cannot hang (World::from_env): ranks that never start, start late, or are
+// pointed at a name that does not resolve or a port another program holds. The ranks are
+// tests/world_join processes started here by hand (hp-run would start all of them);
+// every case runs with a short HP_TIMEOUT_S, and the others must fail within it, with one
+// line naming the missing rank or the variable at fault, and no C++ backtrace.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <regex>
+#include <string>
+
+#include "launcher/launcher.h"
+#include "program_run.h"
+
+#ifndef WORLD_JOIN_PATH
+#error "WORLD_JOIN_PATH must name the world_join executable"
+#endif
+
+namespace hp::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The shell words that start rank `rank` of `world_size` with `timeout_s`.
+std::string rank_command(int rank, int world_size, int port, int timeout_s,
+                         const std::string& master_addr = "127.0.0.1") {
+  return "env RANK=" + std::to_string(rank) + " WORLD_SIZE=" + std::to_string(world_size) +
+         " MASTER_ADDR=" + master_addr + " MASTER_PORT=" + std::to_string(port) +
+         " HP_TIMEOUT_S=" + std::to_string(timeout_s) + " " + WORLD_JOIN_PATH;
+}
+
+// `background` and `foreground` (shell words) at once: the foreground's output and
+// status, once both ended.
+std::string both(const std::string& background, const std::string& foreground) {
+  return "{ " + background + " & " + foreground + "; status=$?; wait; exit $status; }";
+}
+
+struct Timed {
+  ProgramRun run;
+  double seconds = 0;  // from the start of the rank to its error, -1 if none was printed
+};
+
+// world_join's own measure ("failed after S s"): a loaded machine may take seconds to
+// start and end a process, which is no part of what is tested.
+double failed_after(const std::string& output) {
+  std::smatch match;
+  return std::regex_search(output, match, std::regex("world_join: failed after ([0-9.]+) s"))
+             ? std::stod(match[1])
+             : -1;
+}
+
+Timed timed(const std::string& command) {
+  Timed result{run_program(command), 0};
+  result.seconds = failed_after(result.run.output);
+  return result;
+}
+
+// One line from the library, not LibTorch's "Exception raised from ..." and frames.
+void expect_no_backtrace(const std::string& output) {
+  EXPECT_FALSE(contains(output, "Exception raised from")) << output;
+  EXPECT_FALSE(contains(output, "frame #")) << output;
+}
+
+struct TempFile {
+  fs::path path = fs::temp_directory_path() /
+                  ("hp_startup_" + std::to_string(getpid()) + "_" +
+                   std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  ~TempFile() { fs::remove(path); }
+  std::string text() const {
+    std::ifstream stream(path);
+    return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
+  }
+};
+
+TEST(Startup, RanksThatNeverStartAreNamedWithinTheTimeout) {
+  // Ranks 0 and 2 of 3 start; rank 1 never does.
+  const int port = find_free_port();
+  TempFile rank2;
+  const Timed rank0 =
+      timed(both(rank_command(2, 3, port, 3) + " > " + rank2.path.string() + " 2>&1",
+                 rank_command(0, 3, port, 3)));
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  for (const std::string& output : {rank0.run.output, rank2.text()}) {
+    EXPECT_TRUE(contains(output,
+                         "world_join: error: start-up join of 3 ranks timed out after 3 s: rank "
+                         "1 of 3 did not arrive"))
+        << output;
+    EXPECT_TRUE(contains(output, "HP_TIMEOUT_S")) << output;
+    expect_no_backtrace(output);
+    EXPECT_GE(failed_after(output), 2.9) << output;
+    EXPECT_LT(failed_after(output), 4.5) << "the timeout is 3 s\n" << output;
+  }
+
+  // Rank 0, which hosts the store, never starts.
+  const Timed rank1 = timed(rank_command(1, 2, find_free_port(), 3));
+  EXPECT_EQ(rank1.run.exit_code, 1) << rank1.run.output;
+  EXPECT_TRUE(contains(rank1.run.output, "start-up join: rank 0 did not arrive within 3 s"))
+      << rank1.run.output;
+  EXPECT_TRUE(contains(rank1.run.output, "MASTER_ADDR=127.0.0.1")) << rank1.run.output;
+  expect_no_backtrace(rank1.run.output);
+  EXPECT_GE(rank1.seconds, 2.9);
+  EXPECT_LT(rank1.seconds, 4.5) << "the timeout is 3 s";
+}
+
+TEST(Startup, RanksStartingLateWithinTheTimeoutJoin) {
+  for (const auto& [first, second] : {std::pair{0, 1}, std::pair{1, 0}}) {
+    SCOPED_TRACE("rank " + std::to_string(second) + " starts 2 s after rank " +
+                 std::to_string(first));
+    const int port = find_free_port();
+    TempFile late;
+    const ProgramRun run = run_program(both(
+        "(sleep 2; " + rank_command(second, 2, port, 20) + " > " + late.path.string() + " 2>&1)",
+        rank_command(first, 2, port, 20)));
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_TRUE(contains(run.output, "of 2 joined: rank sum 1, timeout 20000 ms")) << run.output;
+    EXPECT_TRUE(contains(late.text(), "of 2 joined: rank sum 1")) << late.text();
+  }
+}
+
+TEST(Startup, UnresolvableMasterAddrIsNamedWithinTheTimeout) {
+  for (int rank : {0, 1}) {
+    const Timed run = timed(rank_command(rank, 2, find_free_port(), 5, "no-such-host.invalid"));
+    EXPECT_EQ(run.run.exit_code, 1) << run.run.output;
+    EXPECT_TRUE(contains(run.run.output, "MASTER_ADDR='no-such-host.invalid'")) << run.run.output;
+    expect_no_backtrace(run.run.output);
+    EXPECT_GE(run.seconds, 0) << run.run.output;
+    EXPECT_LT(run.seconds, 6.0) << "the timeout is 5 s";
+  }
+}
+
+TEST(Startup, AForeignListenerOnMasterPortIsNamed) {
+  // A listening socket that never accepts: the kernel still completes connections into
+  // its backlog, and nothing ever answers.
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(listen(listener, 16), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const int port = ntohs(address.sin_port);
+
+  const Timed client = timed(rank_command(1, 2, port, 3));
+  EXPECT_EQ(client.run.exit_code, 1) << client.run.output;
+  EXPECT_TRUE(contains(client.run.output, "did not answer as a TCPStore within 3 s"))
+      << client.run.output;
+  EXPECT_TRUE(contains(client.run.output, "another program holds MASTER_PORT"))
+      << client.run.output;
+  expect_no_backtrace(client.run.output);
+  EXPECT_GE(client.seconds, 2.9);
+  EXPECT_LT(client.seconds, 4.5) << "the timeout is 3 s";
+
+  const Timed host = timed(rank_command(0, 2, port, 3));
+  EXPECT_EQ(host.run.exit_code, 1) << host.run.output;
+  EXPECT_TRUE(contains(host.run.output, "rank 0 cannot host the store: MASTER_PORT=" +
+                                            std::to_string(port) + " is already in use"))
+      << host.run.output;
+  EXPECT_GE(host.seconds, 0) << host.run.output;
+  EXPECT_LT(host.seconds, 1.0) << "a port in use is known at once";
+  close(listener);
+}
+
+}  // namespace
+}  // namespace hp::testing

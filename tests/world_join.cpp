@@ -1,0 +1,32 @@
+// Joins the world from the launch environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+// HP_TIMEOUT_S, TORCHELASTIC_*), sums the ranks in one all-reduce and prints the result:
+// the rank program of the start-up tests, which start ranks late, leave some out or point
+// them at the wrong place.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/process_group.h"
+
+int main() {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    const auto world = hp::World::from_env();
+    at::Tensor sum = at::full({1}, static_cast<double>(world->rank()), at::kFloat);
+    hp::all_reduce(sum, hp::ReduceOp::kSum, *world->world_group()).wait();
+    std::printf("rank %lld of %lld joined: rank sum %lld, timeout %lld ms\n",
+                static_cast<long long>(world->rank()), static_cast<long long>(world->size()),
+                static_cast<long long>(sum.item<float>()),
+                static_cast<long long>(world->timeout().count()));
+    return 0;
+  } catch (const std::exception& error) {
+    // The time inside the process: the tests bound it by the timeout, independent of
+    // how long a loaded machine takes to start and end the process.
+    std::fprintf(stderr, "world_join: error: %s\nworld_join: failed after %.2f s\n", error.what(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return 1;
+  }
+}
