@@ -112,6 +112,26 @@ TEST(Startup, RanksThatNeverStartAreNamedWithinTheTimeout) {
   EXPECT_LT(rank1.seconds, 4.5) << "the timeout is 3 s";
 }
 
+TEST(Startup, ARankThatGivesUpLaterStillNamesTheMissingRank) {
+  // Rank 0 (the store's host) reaches its deadline first; rank 2, started 1 s later,
+  // reaches its own while rank 0 waits for it to take the verdict, instead of finding the
+  // store gone ("lost the connection").
+  const int port = find_free_port();
+  TempFile rank2;
+  const Timed rank0 = timed(
+      both("(sleep 1; " + rank_command(2, 3, port, 3) + " > " + rank2.path.string() + " 2>&1)",
+           rank_command(0, 3, port, 3)));
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  for (const std::string& output : {rank0.run.output, rank2.text()}) {
+    EXPECT_TRUE(contains(output,
+                         "world_join: error: start-up join of 3 ranks timed out after 3 s: rank "
+                         "1 of 3 did not arrive"))
+        << output;
+    expect_no_backtrace(output);
+  }
+  EXPECT_GE(failed_after(rank2.text()), 2.9) << rank2.text();
+}
+
 TEST(Startup, RanksStartingLateWithinTheTimeoutJoin) {
   for (const auto& [first, second] : {std::pair{0, 1}, std::pair{1, 0}}) {
     SCOPED_TRACE("rank " + std::to_string(second) + " starts 2 s after rank " +

@@ -42,6 +42,10 @@ namespace {
 // counts as lost.
 constexpr milliseconds kGrace{2000};
 
+// How long the rank that decides a failed join waits for the others to take its verdict:
+// ranks start up to this much apart and still all name the missing ranks.
+constexpr milliseconds kLinger{2000};
+
 constexpr const char* kRaiseTimeout =
     "raise the timeout (HP_TIMEOUT_S=<seconds>, or WorldOptions::timeout) if ranks start slowly";
 
@@ -64,6 +68,24 @@ std::string ranks_text(const std::vector<int64_t>& ranks) {
   }
   if (ranks.size() > kShown) text += " and " + std::to_string(ranks.size() - kShown) + " more";
   return text;
+}
+
+// A list of ranks as store bytes ("1,5,7") and back.
+std::vector<uint8_t> encode_ranks(const std::vector<int64_t>& ranks) {
+  std::string text;
+  for (int64_t r : ranks) text += (text.empty() ? "" : ",") + std::to_string(r);
+  return {text.begin(), text.end()};
+}
+
+std::vector<int64_t> decode_ranks(const std::vector<uint8_t>& bytes) {
+  std::vector<int64_t> ranks;
+  const std::string text(bytes.begin(), bytes.end());
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    ranks.push_back(std::stoll(text.substr(begin, end - begin)));
+    begin = end + 1;
+  }
+  return ranks;
 }
 
 std::string without_backtrace(const std::exception& error) {
@@ -277,24 +299,59 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   std::vector<std::string> keys;
   for (int64_t r : ranks) keys.push_back(key_prefix + "/arrived/" + std::to_string(r));
   const std::string own_key = key_prefix + "/arrived/" + std::to_string(rank);
+  // The lowest rank decides a failed join for all, so every rank names the same missing
+  // ranks; it keeps answering until the others have taken its verdict, since it may host
+  // the store and its exit would leave them only "connection lost".
+  const std::string verdict_key = key_prefix + "/verdict";
+  const std::string taken_prefix = key_prefix + "/verdict_taken/";
+  const bool decider = rank == *std::min_element(ranks.begin(), ranks.end());
   const Clock::time_point until = deadline.at;
   // The ranks still missing when the deadline passed; empty: all arrived. Polled (every
   // 10 ms at first, backing off to 200 ms), not a store wait: a wait that times out has
   // LibTorch log warnings, and the missing ranks are listed from the same checks.
   const std::vector<int64_t> missing = finish_by<std::vector<int64_t>>(
-      until + kGrace,
-      [store, keys, own_key, ranks, until, operation]() -> std::vector<int64_t> {
+      until + kLinger + kGrace,
+      [=]() -> std::vector<int64_t> {
         try {
           store->set(own_key, std::vector<uint8_t>{1});
+          std::optional<std::vector<int64_t>> verdict;
           for (milliseconds pause(10);; pause = std::min(2 * pause, milliseconds(200))) {
-            if (store->check(keys)) return {};
+            if (!decider && store->check({verdict_key})) {
+              verdict = decode_ranks(store->get(verdict_key));
+              // Arrived after the decider gave up: nobody keeps the store up for it.
+              if (std::count(verdict->begin(), verdict->end(), rank) > 0) return *verdict;
+            } else if (store->check(keys)) {
+              return {};
+            }
             if (Clock::now() >= until) break;
             std::this_thread::sleep_for(
                 std::min(pause, std::chrono::duration_cast<milliseconds>(until - Clock::now())));
           }
           std::vector<int64_t> absent;
-          for (size_t i = 0; i < keys.size(); ++i) {
-            if (!store->check({keys[i]})) absent.push_back(ranks[i]);
+          if (verdict) {
+            absent = *verdict;
+          } else if (!decider && store->check({verdict_key})) {
+            absent = decode_ranks(store->get(verdict_key));
+          } else {
+            for (size_t i = 0; i < keys.size(); ++i) {
+              if (!store->check({keys[i]})) absent.push_back(ranks[i]);
+            }
+          }
+          if (absent.empty()) return absent;
+          if (!decider) {
+            store->set(taken_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+            return absent;
+          }
+          store->set(verdict_key, encode_ranks(absent));
+          std::vector<std::string> takers;
+          for (int64_t r : ranks) {
+            if (r != rank && std::count(absent.begin(), absent.end(), r) == 0) {
+              takers.push_back(taken_prefix + std::to_string(r));
+            }
+          }
+          const Clock::time_point linger_end = Clock::now() + kLinger;
+          while (!takers.empty() && !store->check(takers) && Clock::now() < linger_end) {
+            std::this_thread::sleep_for(milliseconds(20));
           }
           return absent;
         } catch (const std::exception& error) {
@@ -305,7 +362,7 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
       },
       [&] {
         return operation + ": the store did not answer within " +
-               seconds_text(deadline.timeout + kGrace) +
+               seconds_text(deadline.timeout + kLinger + kGrace) +
                "; rank 0, which hosts it, is stopped or unreachable";
       });
   if (missing.empty()) return;

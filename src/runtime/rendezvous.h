@@ -44,7 +44,9 @@ StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline);
 
 // Marks `rank` arrived under `key_prefix` and waits until every rank of `ranks` (global
 // ranks) has, by `deadline`. Throws std::runtime_error naming `operation`, the ranks that
-// did not arrive and how to raise the timeout.
+// did not arrive and how to raise the timeout. On a failed join every rank names the same
+// missing ranks: the lowest rank's verdict, which it keeps answering for up to 2 s past
+// its deadline so that ranks started later (their deadlines later) can still read it.
 void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
                  const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
                  const Deadline& deadline);
