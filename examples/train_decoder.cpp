@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -366,8 +367,16 @@ int train(const TrainOptions& o, const std::string& resolved) {
     hp::save_sharded_checkpoint(dir, *model, &optimizer, run_state(step, all, ranks));
     if (rank == 0) std::printf("saved %s\n", dir.c_str());
   };
+  // This attempt's fault, if any: the step before which a rank fails, and that rank.
   const char* restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  const bool first_attempt = restart_count == nullptr || std::string_view(restart_count) == "0";
+  const size_t attempt = restart_count == nullptr ? 0 : std::stoul(restart_count);
+  const int64_t fail_at_step = attempt < o.fail_at_steps.size() ? o.fail_at_steps[attempt] : 0;
+  const int64_t fail_rank =
+      o.fail_ranks.empty() || attempt >= o.fail_ranks.size() ? ranks - 1 : o.fail_ranks[attempt];
+  if (fail_at_step > 0 && fail_rank >= ranks) {
+    throw std::invalid_argument("--fail-rank " + std::to_string(fail_rank) + ": there are only " +
+                                std::to_string(ranks) + " ranks");
+  }
   const double matmul_rate = measured_matmul_rate(all);
 
   const bool tty = isatty(STDOUT_FILENO) == 1;
@@ -381,7 +390,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
   double tokens_per_s = 0;
 
   for (int64_t step = done + 1; step <= o.steps; ++step) {
-    if (step == o.fail_at_step && first_attempt && rank == ranks - 1) {
+    if (step == fail_at_step && rank == fail_rank) {
+      std::printf("--fail-at-step %lld: rank %lld fails on purpose (fault injection)\n",
+                  static_cast<long long>(step), static_cast<long long>(rank));
+      std::fflush(stdout);
+      if (o.fail_by_kill) raise(SIGKILL);
       throw std::runtime_error("--fail-at-step " + std::to_string(step) +
                                ": failing on purpose (fault injection)");
     }

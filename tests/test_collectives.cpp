@@ -184,6 +184,19 @@ HP_DIST_TEST(Collectives, BadArgumentsAreExplained, 2) {
             }).find("contiguous"),
             std::string::npos);
   EXPECT_NE(message([] { parse_reduce_op("mean-ish"); }).find("use \"sum\""), std::string::npos);
+  EXPECT_NE(message([&] {
+              send(torch::ones({2}), group.rank(), group);
+            }).find("send: a rank cannot send to itself"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              recv(torch::ones({2}), group.rank(), group);
+            }).find("recv: a rank cannot receive from itself"),
+            std::string::npos);
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+    EXPECT_EQ(parse_reduce_op(to_string(op)), op);
+  }
+  EXPECT_EQ(parse_reduce_op("Mean"), ReduceOp::kAvg);
+  EXPECT_EQ(to_string(parse_reduce_op("MAX")), "max");
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // The trainer (examples/train_decoder) as a user runs it, on this repository's docs: a
 // short run learns below the unigram baseline and writes a metrics file and a loss curve
-// that agree with what it printed; under hp-run's restarts, a run whose rank fails
-// mid-way resumes from its newest sharded checkpoint (--resume auto) and ends with the
+// that agree with what it printed; under hp-run's restarts, a run whose ranks are killed
+// at random steps resumes from its newest sharded checkpoint (--resume auto) and ends with the
 // checkpoint files of an uninterrupted run, byte for byte; a save directory that cannot
 // be written and a missing corpus fail before the first step; flags override a config
 // file; a rank that never starts is named within --timeout; the real torchrun launches it
@@ -14,9 +14,12 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <regex>
 #include <string>
+#include <vector>
 
+#include "hyperparallel/sharded_checkpoint.h"
 #include "launcher/launcher.h"
 #include "program_run.h"
 
@@ -74,6 +77,18 @@ TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
   }();
   ASSERT_FALSE(verdict.empty()) << run.output;
   EXPECT_LT(std::stod(verdict[1]), std::stod(verdict[2]));
+  // The closing report: a sample after the prompt, every rank's peak memory, the model
+  // FLOPs utilisation against the measured matmul rate.
+  EXPECT_TRUE(std::regex_search(run.output,
+                                std::regex("\\[rank 0\\] sample:\n\\[rank 0\\] fully_shard\\(.+")))
+      << run.output;
+  EXPECT_TRUE(std::regex_search(run.output, std::regex("peak RSS per rank \\(MiB\\): [1-9][0-9]* "
+                                                       "[1-9][0-9]*\n")))
+      << run.output;
+  EXPECT_TRUE(std::regex_search(
+      run.output, std::regex("model FLOPs utilisation [0-9.]+% \\([0-9.]+ GFLOP/s of 2 "
+                             "ranks x [0-9.]+ GFLOP/s measured fp32 matmul\\)")))
+      << run.output;
 
   // One record per logged step, steps increasing; the validation losses are the printed ones.
   std::vector<std::string> printed;
@@ -118,17 +133,47 @@ TEST(Trainer, RestartedRunEndsBitwiseEqualToUninterrupted) {
   TempDir dir;
   const std::string straight = (dir.path / "straight").string();
   const std::string restarted = (dir.path / "restarted").string();
+  const int64_t steps = 60, save_every = 20;
   const std::string flags = "--steps 60 --save-every 20 --resume auto --save ";
 
   const ProgramRun reference = train("", flags + straight);
   ASSERT_TRUE(contains(reference.output, "no complete checkpoint under " + straight))
       << reference.output;
-  // Rank 1 fails before step 45: the restart resumes from step 40.
-  const ProgramRun run = train("--max-restarts 1", flags + restarted + " --fail-at-step 45");
+
+  // Two faults at random: a random rank is SIGKILLed before a random step, once in the
+  // first attempt and once in the second (after the step that attempt resumed from).
+  std::mt19937 random(std::random_device{}());
+  const auto pick = [&](int64_t low, int64_t high) {
+    return std::uniform_int_distribution<int64_t>(low, high)(random);
+  };
+  const int64_t first_step = pick(2, steps);
+  const int64_t first_resume = (first_step - 1) / save_every * save_every;
+  const int64_t second_step = pick(first_resume + 1, steps);
+  const int64_t second_resume = (second_step - 1) / save_every * save_every;
+  const int64_t first_rank = pick(0, 1), second_rank = pick(0, 1);
+  SCOPED_TRACE("rank " + std::to_string(first_rank) + " killed before step " +
+               std::to_string(first_step) + ", then rank " + std::to_string(second_rank) +
+               " before step " + std::to_string(second_step));
+  const ProgramRun run =
+      train("--max-restarts 2", flags + restarted + " --fail-by-kill --fail-at-step " +
+                                    std::to_string(first_step) + " " + std::to_string(second_step) +
+                                    " --fail-rank " + std::to_string(first_rank) + " " +
+                                    std::to_string(second_rank));
   EXPECT_EQ(run.exit_code, reference.exit_code) << run.output;
-  for (const std::string& line : {std::string("--fail-at-step 45: failing on purpose"),
-                                  std::string("hp-run: restarting all 2 ranks (restart 1 of 1)"),
-                                  "resumed from " + restarted + "/step-00000040 after 40 steps"}) {
+  std::vector<std::string> expected_lines = {
+      "--fail-at-step " + std::to_string(first_step) + ": rank " + std::to_string(first_rank) +
+          " fails on purpose",
+      "--fail-at-step " + std::to_string(second_step) + ": rank " + std::to_string(second_rank) +
+          " fails on purpose",
+      "hp-run: restarting all 2 ranks (restart 1 of 2)",
+      "hp-run: restarting all 2 ranks (restart 2 of 2)"};
+  for (int64_t resume : {first_resume, second_resume}) {
+    if (resume > 0) {
+      expected_lines.push_back("resumed from " + checkpoint_dir_for_step(restarted, resume) +
+                               " after " + std::to_string(resume) + " steps");
+    }
+  }
+  for (const std::string& line : expected_lines) {
     EXPECT_TRUE(contains(run.output, line)) << line << "\n" << run.output;
   }
   const auto verdict = [](const std::string& output) {  // "... validation loss X ..."
@@ -138,12 +183,12 @@ TEST(Trainer, RestartedRunEndsBitwiseEqualToUninterrupted) {
   ASSERT_NE(verdict(reference.output), "") << reference.output;
   EXPECT_EQ(verdict(run.output), verdict(reference.output));
 
-  const std::string last = "step-00000060";
   for (const char* file :
        {"index.json", "rank-00000.safetensors", "rank-00001.safetensors", "COMPLETE"}) {
-    const fs::path expected = fs::path(straight) / last / file;
+    const fs::path expected = fs::path(checkpoint_dir_for_step(straight, steps)) / file;
     ASSERT_TRUE(fs::exists(expected)) << expected;
-    EXPECT_TRUE(contents(fs::path(restarted) / last / file) == contents(expected))
+    EXPECT_TRUE(contents(fs::path(checkpoint_dir_for_step(restarted, steps)) / file) ==
+                contents(expected))
         << file << " differs from the uninterrupted run's";
   }
 }

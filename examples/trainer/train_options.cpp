@@ -142,10 +142,17 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
                  "at the end, write DIR/model.pt and DIR/optim.pt (whole tensors, for Python's "
                  "torch.load)")
       ->group("Checkpoints");
-  app.add_option("--fail-at-step", o.fail_at_step,
-                 "fault injection for restart tests: the last rank fails before step N in the "
-                 "first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0)")
+  app.add_option("--fail-at-step", o.fail_at_steps,
+                 "fault injection for restart tests: a rank fails before step N; given k times, "
+                 "the i-th applies to attempt i (TORCHELASTIC_RESTART_COUNT=i, unset: 0)")
+      ->check(CLI::PositiveNumber)
+      ->group("Checkpoints");
+  app.add_option("--fail-rank", o.fail_ranks,
+                 "the rank that fails at each --fail-at-step (default: the last rank)")
       ->check(CLI::NonNegativeNumber)
+      ->group("Checkpoints");
+  app.add_flag("--fail-by-kill", o.fail_by_kill,
+               "the failing rank dies by SIGKILL (no message, no cleanup) instead of throwing")
       ->group("Checkpoints");
 
   std::ostringstream out, err;
@@ -174,6 +181,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
     usage_error("--resume auto needs --save DIR (the checkpoints it looks for)");
   } else if (o.save_every > 0 && o.save.empty()) {
     usage_error("--save-every needs --save DIR");
+  } else if (!o.fail_ranks.empty() && o.fail_ranks.size() != o.fail_at_steps.size()) {
+    usage_error("--fail-rank is given " + std::to_string(o.fail_ranks.size()) +
+                " times but --fail-at-step " + std::to_string(o.fail_at_steps.size()) +
+                "; give one rank per step, or none (the last rank)");
   }
   parsed.resolved = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
   return parsed;

@@ -44,7 +44,12 @@ struct TrainOptions {
   int64_t save_every = 0;
   std::string resume;
   std::string export_dir;
-  int64_t fail_at_step = 0;
+  // Fault injection: in attempt k (TORCHELASTIC_RESTART_COUNT) rank fail_ranks[k] (default:
+  // the last) fails before step fail_at_steps[k], by an exception or, with fail_by_kill, by
+  // SIGKILL.
+  std::vector<int64_t> fail_at_steps;
+  std::vector<int64_t> fail_ranks;
+  bool fail_by_kill = false;
   std::string trace;
 
   // Derived from `mesh`

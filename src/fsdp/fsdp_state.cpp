@@ -288,12 +288,7 @@ void FSDPState::recompute_post_forward(const std::vector<at::Tensor*>& outputs) 
 
 void FSDPState::pre_backward() {
   if (in_backward_) return;
-  try {
-    begin_backward();
-  } catch (...) {
-    backward_failed();
-    throw;
-  }
+  resetting_on_failure([this] { begin_backward(); });
 }
 
 void FSDPState::begin_backward() {
@@ -315,12 +310,7 @@ void FSDPState::begin_backward() {
 
 void FSDPState::post_backward_hook_fired() {
   if (--post_backward_hooks_pending_ > 0) return;
-  try {
-    post_backward();
-  } catch (...) {
-    backward_failed();
-    throw;
-  }
+  resetting_on_failure([this] { post_backward(); });
 }
 
 void FSDPState::post_backward() {
@@ -345,12 +335,7 @@ void FSDPState::post_backward() {
 }
 
 void FSDPState::root_post_backward_final_callback() {
-  try {
-    end_backward();
-  } catch (...) {
-    backward_failed();
-    throw;
-  }
+  resetting_on_failure([this] { end_backward(); });
 }
 
 void FSDPState::end_backward() {

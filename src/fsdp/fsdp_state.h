@@ -80,6 +80,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Exception safety: a backward that threw (in these hooks or in any other node) leaves
   // no module unsharded, no reduction pending and no flag set for the next one.
   void backward_failed() noexcept;
+  // Runs one backward step (a hook's body); if it throws, backward_failed() first.
+  template <typename Step>
+  void resetting_on_failure(Step&& step) {
+    try {
+      step();
+    } catch (...) {
+      backward_failed();
+      throw;
+    }
+  }
   void abandon_backward();  // root only
   void reshard_after_error() noexcept;
   // Activation recomputation reruns forwards inside backward.

@@ -23,6 +23,25 @@ void require_contiguous(const at::Tensor& tensor, const char* op, const char* wh
           std::string(op) + ": " + what + " must be contiguous (call .contiguous())");
 }
 
+struct NamedTensor {
+  const at::Tensor& tensor;
+  const char* name;
+};
+
+// `whole` (contiguous) has group size x `part`'s elements, of `part`'s dtype: the two
+// sides of an all-gather or a reduce-scatter.
+void require_group_multiple(const char* op, NamedTensor whole, NamedTensor part, const Group& group,
+                            const std::string& hint) {
+  require_contiguous(whole.tensor, op, whole.name);
+  require_contiguous(part.tensor, op, part.name);
+  require(whole.tensor.numel() == part.tensor.numel() * group.size() &&
+              whole.tensor.scalar_type() == part.tensor.scalar_type(),
+          std::string(op) + ": " + whole.name + " must have group size (" +
+              std::to_string(group.size()) + ") x " + part.name + " numel (" +
+              std::to_string(part.tensor.numel()) + ") elements of the " + part.name + "'s dtype" +
+              hint + "; got " + std::to_string(whole.tensor.numel()));
+}
+
 // Gloo's AVG throws in all-reduce and silently sums in reduce-scatter, so averages are
 // computed as SUM followed by a division when the result is consumed.
 c10d::ReduceOp backend_op(ReduceOp op) {
@@ -93,71 +112,55 @@ CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat,
   });
 }
 
+// The tensor and the peer of a send or receive: another rank of the group.
+void check_point_to_point(const at::Tensor& tensor, int64_t peer, const Group& group,
+                          const char* op, const char* verb) {
+  require_contiguous(tensor, op, "tensor");
+  check_peer(peer, group, op);
+  require(peer != group.rank(), std::string(op) + ": a rank cannot " + verb + " itself");
+}
+
+// Indexed by ReduceOp.
+constexpr const char* kReduceOpNames[] = {"sum", "avg", "max", "min"};
+
 }  // namespace
 
 ReduceOp parse_reduce_op(const std::string& name) {
   std::string lower = name;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return std::tolower(c); });
-  if (lower == "sum") return ReduceOp::kSum;
-  if (lower == "avg" || lower == "mean") return ReduceOp::kAvg;
-  if (lower == "max") return ReduceOp::kMax;
-  if (lower == "min") return ReduceOp::kMin;
+  if (lower == "mean") return ReduceOp::kAvg;
+  for (size_t i = 0; i < std::size(kReduceOpNames); ++i) {
+    if (lower == kReduceOpNames[i]) return static_cast<ReduceOp>(i);
+  }
   throw std::invalid_argument("unknown reduce op '" + name +
                               "'; use \"sum\", \"avg\", "
                               "\"max\" or \"min\"");
 }
 
-std::string to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return "sum";
-    case ReduceOp::kAvg:
-      return "avg";
-    case ReduceOp::kMax:
-      return "max";
-    case ReduceOp::kMin:
-      return "min";
-  }
-  return "?";
-}
+std::string to_string(ReduceOp op) { return kReduceOpNames[static_cast<size_t>(op)]; }
 
 CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& group) {
-  require_contiguous(output, "all_gather", "output");
-  require_contiguous(input, "all_gather", "input");
-  require(
-      output.numel() == input.numel() * group.size() && output.scalar_type() == input.scalar_type(),
-      "all_gather: output must have group size (" + std::to_string(group.size()) +
-          ") x input numel (" + std::to_string(input.numel()) +
-          ") elements of the input's "
-          "dtype; got " +
-          std::to_string(output.numel()));
-  if (group.size() == 1) {
-    output.view(-1).copy_(input.view(-1));
-    return {};
-  }
+  require_group_multiple("all_gather", {output, "output"}, {input, "input"}, group, "");
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
+  if (group.size() == 1) {
+    out_flat.copy_(in_flat);
+    return {};
+  }
   return CommHandle::from_work(backend_for(group, input)._allgather_base(out_flat, in_flat));
 }
 
 CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
                           const Group& group) {
-  require_contiguous(output, "reduce_scatter", "output");
-  require_contiguous(input, "reduce_scatter", "input");
-  require(
-      input.numel() == output.numel() * group.size() && output.scalar_type() == input.scalar_type(),
-      "reduce_scatter: input must have group size (" + std::to_string(group.size()) +
-          ") x output numel (" + std::to_string(output.numel()) +
-          ") elements of the "
-          "output's dtype (pad the input to a multiple of the group size); got " +
-          std::to_string(input.numel()));
-  if (group.size() == 1) {
-    output.view(-1).copy_(input.view(-1));
-    return {};
-  }
+  require_group_multiple("reduce_scatter", {input, "input"}, {output, "output"}, group,
+                         " (pad the input to a multiple of the group size)");
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
+  if (group.size() == 1) {
+    out_flat.copy_(in_flat);
+    return {};
+  }
   c10d::Backend& backend = backend_for(group, input);
   if (backend.getBackendName() == "gloo") {
     return reduce_scatter_by_all_to_all(out_flat, in_flat, op, backend, group.size());
@@ -221,18 +224,14 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
 }
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
-  require_contiguous(tensor, "send", "tensor");
-  check_peer(dst, group, "send");
-  require(dst != group.rank(), "send: a rank cannot send to itself");
+  check_point_to_point(tensor, dst, group, "send", "send to");
   std::vector<at::Tensor> tensors{tensor};
   return CommHandle::from_work(
       backend_for(group, tensor).send(tensors, static_cast<int>(dst), tag));
 }
 
 CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
-  require_contiguous(tensor, "recv", "tensor");
-  check_peer(src, group, "recv");
-  require(src != group.rank(), "recv: a rank cannot receive from itself");
+  check_point_to_point(tensor, src, group, "recv", "receive from");
   std::vector<at::Tensor> tensors{tensor};
   return CommHandle::from_work(
       backend_for(group, tensor).recv(tensors, static_cast<int>(src), tag));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 
 namespace hp {
@@ -20,32 +21,36 @@ std::string required(const char* name) {
   return value;
 }
 
-int64_t parse_int(const char* name, const std::string& text, int64_t min, int64_t max) {
+// `parse` (std::stoll, std::stod, ...) of the whole of `text`; nothing if it does not
+// parse or leaves characters over.
+template <typename T>
+std::optional<T> parse_whole(const std::string& text, T (*parse)(const std::string&, size_t*)) {
   size_t used = 0;
-  int64_t value = 0;
   try {
-    value = std::stoll(text, &used);
+    const T value = parse(text, &used);
+    if (used == text.size()) return value;
   } catch (const std::exception&) {
-    used = 0;
   }
-  if (used != text.size() || value < min || value > max) {
+  return std::nullopt;
+}
+
+int64_t parse_int(const char* name, const std::string& text, int64_t min, int64_t max) {
+  const auto value = parse_whole<long long>(
+      text, [](const std::string& t, size_t* used) { return std::stoll(t, used); });
+  if (!value || *value < min || *value > max) {
     throw std::invalid_argument(std::string("environment variable ") + name + "='" + text +
                                 "' is not an integer in [" + std::to_string(min) + ", " +
                                 std::to_string(max) + "]" + kHowToLaunch);
   }
-  return value;
+  return *value;
 }
 
 // A positive number of seconds, e.g. "10" or "0.5".
 std::chrono::milliseconds parse_seconds(const char* name, const std::string& text) {
-  size_t used = 0;
-  double seconds = 0;
-  try {
-    seconds = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || !std::isfinite(seconds) || seconds <= 0 || seconds > 1e7) {
+  const auto parsed = parse_whole<double>(
+      text, [](const std::string& t, size_t* used) { return std::stod(t, used); });
+  const double seconds = parsed.value_or(0);
+  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e7) {
     throw std::invalid_argument(std::string("environment variable ") + name + "='" + text +
                                 "' is not a positive number of seconds (how long start-up and "
                                 "collectives wait for the other ranks, e.g. 60)");
