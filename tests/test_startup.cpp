@@ -1,8 +1,8 @@
-// Start-up that cannot hang (World::from_env): ranks that never start, start late, or are
-// pointed at a name that does not resolve or a port another program holds. The ranks are
-// tests/world_join processes started here by hand (hp-run would start all of them);
-// every case runs with a short HP_TIMEOUT_S, and the others must fail within it, with one
-// line naming the missing rank or the variable at fault, and no C++ backtrace.
+// Start-up and collectives that cannot hang (World::from_env, a late rank): ranks that never start,
+// start late, or are pointed at a name that does not resolve or a port another program holds. The
+// ranks are tests/world_join processes started here by hand (hp-run would start all of them); every
+// case runs with a short HP_TIMEOUT_S, and the others must fail within it, with one line naming the
+// missing rank or the variable at fault, and no C++ backtrace.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -130,6 +130,27 @@ TEST(Startup, ARankThatGivesUpLaterStillNamesTheMissingRank) {
     expect_no_backtrace(output);
   }
   EXPECT_GE(failed_after(rank2.text()), 2.9) << rank2.text();
+}
+
+TEST(Startup, ACollectiveARankDoesNotReachNamesItWithinTheTimeout) {
+  // Both join; rank 1 comes to the all-reduce 6 s late, past the 2 s timeout. Rank 0's
+  // error names the collective, its group and rank 1 (which never reported a failure of
+  // its own in the 2 s rank 0 waited for that).
+  const int port = find_free_port();
+  const Timed rank0 =
+      timed(both("WORLD_JOIN_SLEEP_S=6 " + rank_command(1, 2, port, 2) + " > /dev/null 2>&1",
+                 rank_command(0, 2, port, 2)));
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output,
+                       "world_join: error: all_reduce #1 over group 'world' "
+                       "failed ("))
+      << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output, "; rank 1 of the group did not report it within 2 s"))
+      << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output, "HP_TIMEOUT_S")) << rank0.run.output;
+  expect_no_backtrace(rank0.run.output);
+  EXPECT_GE(rank0.seconds, 3.9) << "the timeout (2 s) and the wait for reports (2 s)";
+  EXPECT_LT(rank0.seconds, 5.5) << rank0.run.output;
 }
 
 TEST(Startup, RanksStartingLateWithinTheTimeoutJoin) {

@@ -1,12 +1,15 @@
 // Joins the world from the launch environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 // HP_TIMEOUT_S, TORCHELASTIC_*), sums the ranks in one all-reduce and prints the result:
 // the rank program of the start-up tests, which start ranks late, leave some out or point
-// them at the wrong place.
+// them at the wrong place, or have one come late to the all-reduce.
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
+#include <thread>
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/process_group.h"
@@ -15,6 +18,10 @@ int main() {
   const auto start = std::chrono::steady_clock::now();
   try {
     const auto world = hp::World::from_env();
+    // WORLD_JOIN_SLEEP_S: this rank comes to the all-reduce that many seconds late.
+    if (const char* late = std::getenv("WORLD_JOIN_SLEEP_S")) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::stod(late)));
+    }
     at::Tensor sum = at::full({1}, static_cast<double>(world->rank()), at::kFloat);
     hp::all_reduce(sum, hp::ReduceOp::kSum, *world->world_group()).wait();
     std::printf("rank %lld of %lld joined: rank sum %lld, timeout %lld ms\n",

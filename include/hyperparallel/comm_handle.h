@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -22,9 +23,12 @@ class CommHandle {
   // A completed handle: wait() does nothing.
   CommHandle() = default;
 
-  // Real communication; `on_complete` (optional) runs once after the work finished.
+  // Real communication; `on_complete` (optional) runs once after the work finished. When
+  // the work fails, `on_failure` (optional) turns its message into the error wait() throws
+  // (std::runtime_error), e.g. one naming the operation and the ranks that did not reach it.
   static CommHandle from_work(c10::intrusive_ptr<c10d::Work> work,
-                              std::function<void()> on_complete = {});
+                              std::function<void()> on_complete = {},
+                              std::function<std::string(const std::string&)> on_failure = {});
 
   // No communication; `on_complete` runs once, at the first wait().
   static CommHandle deferred(std::function<void()> on_complete);

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25,9 +26,10 @@ struct LaunchEnv;
 
 class Group {
  public:
+  // `store` (the world's): where members report a failed collective to one another.
   Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
         c10::intrusive_ptr<c10d::Backend> cpu_backend,
-        c10::intrusive_ptr<c10d::Backend> cuda_backend);
+        c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store);
   ~Group();
 
   const std::string& name() const { return name_; }
@@ -39,12 +41,19 @@ class Group {
   // with CUDA). Throws for size-1 groups, which need none, and for unsupported devices.
   c10d::Backend& backend(c10::DeviceType device_type) const;
 
+  // Counts a collective issued on this group (every member issues the same ones in the
+  // same order) and returns the function that turns its failure into an error naming the
+  // operation, the group and the members that did not reach it.
+  std::function<std::string(const std::string& error)> on_failure(std::string operation) const;
+
  private:
   std::string name_;
   std::vector<int64_t> ranks_;
   int64_t rank_;
   c10::intrusive_ptr<c10d::Backend> cpu_backend_;
   c10::intrusive_ptr<c10d::Backend> cuda_backend_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  mutable int64_t collectives_issued_ = 0;
 };
 
 using GroupPtr = std::shared_ptr<Group>;

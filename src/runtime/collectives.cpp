@@ -82,34 +82,39 @@ void check_peer(int64_t peer, const Group& group, const char* op) {
 // the n chunks it received, in group-rank order (deterministic), accumulating reduced
 // precision floats in fp32.
 CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat, ReduceOp op,
-                                        c10d::Backend& backend, int64_t group_size) {
+                                        const Group& group) {
+  c10d::Backend& backend = backend_for(group, in_flat);
+  const int64_t group_size = group.size();
   at::Tensor received = at::empty_like(in_flat);
   std::vector<int64_t> equal_splits;
   auto work = backend.alltoall_base(received, in_flat, equal_splits, equal_splits);
   std::function<void()> average = average_after(op, out_flat, group_size);
-  return CommHandle::from_work(std::move(work), [=]() mutable {
-    const at::Tensor by_source = received.view({group_size, out_flat.numel()});
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        if (at::isReducedFloatingType(out_flat.scalar_type())) {
-          out_flat.copy_(at::sum(by_source, {0}, /*keepdim=*/false, at::kFloat));
-        } else {
-          at::sum_out(out_flat, by_source, {0});
+  return CommHandle::from_work(
+      std::move(work),
+      [=]() mutable {
+        const at::Tensor by_source = received.view({group_size, out_flat.numel()});
+        switch (op) {
+          case ReduceOp::kSum:
+          case ReduceOp::kAvg:
+            if (at::isReducedFloatingType(out_flat.scalar_type())) {
+              out_flat.copy_(at::sum(by_source, {0}, /*keepdim=*/false, at::kFloat));
+            } else {
+              at::sum_out(out_flat, by_source, {0});
+            }
+            if (average) average();
+            break;
+          case ReduceOp::kMax:
+            at::amax_out(out_flat, by_source, {0});
+            break;
+          case ReduceOp::kMin:
+            at::amin_out(out_flat, by_source, {0});
+            break;
         }
-        if (average) average();
-        break;
-      case ReduceOp::kMax:
-        at::amax_out(out_flat, by_source, {0});
-        break;
-      case ReduceOp::kMin:
-        at::amin_out(out_flat, by_source, {0});
-        break;
-    }
-    // The receive buffer goes as soon as it is reduced (the backend may still hold it).
-    detail::free_storage(received);
-    received = at::Tensor();
-  });
+        // The receive buffer goes as soon as it is reduced (the backend may still hold it).
+        detail::free_storage(received);
+        received = at::Tensor();
+      },
+      group.on_failure("reduce_scatter"));
 }
 
 // The tensor and the peer of a send or receive: another rank of the group.
@@ -148,7 +153,8 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
     out_flat.copy_(in_flat);
     return {};
   }
-  return CommHandle::from_work(backend_for(group, input)._allgather_base(out_flat, in_flat));
+  return CommHandle::from_work(backend_for(group, input)._allgather_base(out_flat, in_flat), {},
+                               group.on_failure("all_gather"));
 }
 
 CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
@@ -163,12 +169,13 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
   }
   c10d::Backend& backend = backend_for(group, input);
   if (backend.getBackendName() == "gloo") {
-    return reduce_scatter_by_all_to_all(out_flat, in_flat, op, backend, group.size());
+    return reduce_scatter_by_all_to_all(out_flat, in_flat, op, group);
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = backend_op(op);
   auto work = backend._reduce_scatter_base(out_flat, in_flat, options);
-  return CommHandle::from_work(std::move(work), average_after(op, output, group.size()));
+  return CommHandle::from_work(std::move(work), average_after(op, output, group.size()),
+                               group.on_failure("reduce_scatter"));
 }
 
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
@@ -178,7 +185,8 @@ CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   c10d::AllreduceOptions options;
   options.reduceOp = backend_op(op);
   auto work = backend_for(group, tensor).allreduce(tensors, options);
-  return CommHandle::from_work(std::move(work), average_after(op, tensor, group.size()));
+  return CommHandle::from_work(std::move(work), average_after(op, tensor, group.size()),
+                               group.on_failure("all_reduce"));
 }
 
 CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& group,
@@ -210,7 +218,8 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
   at::Tensor out = output;
   at::Tensor in = input;
   return CommHandle::from_work(
-      backend_for(group, input).alltoall_base(out, in, output_splits, input_splits));
+      backend_for(group, input).alltoall_base(out, in, output_splits, input_splits), {},
+      group.on_failure("all_to_all"));
 }
 
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
@@ -220,7 +229,8 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = src;
-  return CommHandle::from_work(backend_for(group, tensor).broadcast(tensors, options));
+  return CommHandle::from_work(backend_for(group, tensor).broadcast(tensors, options), {},
+                               group.on_failure("broadcast"));
 }
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
@@ -239,7 +249,8 @@ CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
 
 CommHandle barrier(const Group& group) {
   if (group.size() == 1) return {};
-  return CommHandle::from_work(group.backend(c10::DeviceType::CPU).barrier());
+  return CommHandle::from_work(group.backend(c10::DeviceType::CPU).barrier(), {},
+                               group.on_failure("barrier"));
 }
 
 }  // namespace hp

@@ -1,6 +1,7 @@
 #include "hyperparallel/comm_handle.h"
 
 #include <exception>
+#include <stdexcept>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace hp {
@@ -9,15 +10,18 @@ struct CommHandle::State {
   c10::intrusive_ptr<c10d::Work> work;
   std::vector<CommHandle> parts;
   std::function<void()> on_complete;
+  std::function<std::string(const std::string&)> on_failure;
   bool done = false;
 };
 
 CommHandle CommHandle::from_work(c10::intrusive_ptr<c10d::Work> work,
-                                 std::function<void()> on_complete) {
+                                 std::function<void()> on_complete,
+                                 std::function<std::string(const std::string&)> on_failure) {
   CommHandle handle;
   handle.state_ = std::make_shared<State>();
   handle.state_->work = std::move(work);
   handle.state_->on_complete = std::move(on_complete);
+  handle.state_->on_failure = std::move(on_failure);
   return handle;
 }
 
@@ -39,8 +43,14 @@ void CommHandle::wait() {
   std::exception_ptr error;
   try {
     if (state_->work) state_->work->wait();
-  } catch (...) {
-    error = std::current_exception();
+  } catch (const std::exception& failure) {
+    if (state_->on_failure) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
+      error = std::make_exception_ptr(std::runtime_error(
+          state_->on_failure(c10_error ? c10_error->what_without_backtrace() : failure.what())));
+    } else {
+      error = std::current_exception();
+    }
   }
   for (auto& part : state_->parts) {
     try {
@@ -54,6 +64,7 @@ void CommHandle::wait() {
   state_->done = true;
   state_->work.reset();
   state_->parts.clear();
+  state_->on_failure = nullptr;
   auto callback = std::move(state_->on_complete);
   state_->on_complete = nullptr;
   if (error) std::rethrow_exception(error);  // what the callback would consume is not there

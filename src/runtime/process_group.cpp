@@ -29,14 +29,25 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& local_
 
 Group::Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
              c10::intrusive_ptr<c10d::Backend> cpu_backend,
-             c10::intrusive_ptr<c10d::Backend> cuda_backend)
+             c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store)
     : name_(std::move(name)),
       ranks_(std::move(ranks)),
       rank_(rank_in_group),
       cpu_backend_(std::move(cpu_backend)),
-      cuda_backend_(std::move(cuda_backend)) {}
+      cuda_backend_(std::move(cuda_backend)),
+      store_(std::move(store)) {}
 
 Group::~Group() = default;
+
+std::function<std::string(const std::string&)> Group::on_failure(std::string operation) const {
+  const int64_t number = ++collectives_issued_;
+  return [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
+          operation = std::move(operation)](const std::string& error) {
+    return detail::explain_failed_collective(
+        store, "hp/" + name, ranks, rank,
+        operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
+  };
+}
 
 c10d::Backend& Group::backend(c10::DeviceType device_type) const {
   if (size() == 1) {
@@ -136,7 +147,7 @@ GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
 #endif
   }
   return groups_[name] = std::make_shared<Group>(name, std::move(ranks), rank_in_group,
-                                                 std::move(cpu), std::move(cuda));
+                                                 std::move(cpu), std::move(cuda), store_);
 }
 
 std::shared_ptr<World> default_world() {

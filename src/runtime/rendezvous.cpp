@@ -46,6 +46,10 @@ constexpr milliseconds kGrace{2000};
 // ranks start up to this much apart and still all name the missing ranks.
 constexpr milliseconds kLinger{2000};
 
+// How long a rank whose collective failed waits for the group's other members to say
+// theirs failed too, before naming those that did not.
+constexpr milliseconds kReportWindow{2000};
+
 constexpr const char* kRaiseTimeout =
     "raise the timeout (HP_TIMEOUT_S=<seconds>, or WorldOptions::timeout) if ranks start slowly";
 
@@ -371,6 +375,39 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
                            " did not arrive. Start every rank with the same MASTER_ADDR, "
                            "MASTER_PORT and WORLD_SIZE, or " +
                            kRaiseTimeout);
+}
+
+std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
+                                      const std::string& key_prefix,
+                                      const std::vector<int64_t>& ranks, int64_t rank,
+                                      const std::string& what, const std::string& error) {
+  const std::string failed = what + " failed (" + error + ")";
+  const std::string advice =
+      ". The wait for other ranks is HP_TIMEOUT_S (or WorldOptions::timeout, the trainer's "
+      "--timeout); a rank killed or crashed takes the others down at once";
+  if (!store) return failed + advice;
+  // Every member's failure of this collective, keyed by the collective's description.
+  const std::string report_prefix = key_prefix + "/failed/" + what + "/";
+  std::vector<std::string> keys;
+  for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
+  std::vector<int64_t> absent;
+  try {
+    store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+    const Clock::time_point until = Clock::now() + kReportWindow;
+    while (!store->check(keys) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!store->check({keys[i]})) absent.push_back(ranks[i]);
+    }
+  } catch (const std::exception& store_error) {
+    return failed + "; the store is unreachable too (" + without_backtrace(store_error) +
+           "): rank 0, which hosts it, has probably exited" + advice;
+  }
+  if (absent.empty()) return failed + "; every rank of the group saw it fail" + advice;
+  return failed + "; " + ranks_text(absent) + " of the group did not report it within " +
+         seconds_text(kReportWindow) +
+         ": stopped, crashed, or not at this collective (hung, or still computing)" + advice;
 }
 
 }  // namespace hp::detail

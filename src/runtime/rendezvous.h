@@ -51,4 +51,13 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
                  const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
                  const Deadline& deadline);
 
+// The error of a failed collective `what` (e.g. "all_reduce #12 over group 'world'") on
+// `rank`, one of `ranks` (global ranks): reports the failure in the store under
+// `key_prefix`, waits up to 2 s for the other members to report theirs, and names those
+// that did not (stopped, crashed, or not at this collective: hung, or still computing).
+std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
+                                      const std::string& key_prefix,
+                                      const std::vector<int64_t>& ranks, int64_t rank,
+                                      const std::string& what, const std::string& error);
+
 }  // namespace hp::detail
