@@ -7,6 +7,12 @@
 // The blocks are declared Sharded<...>: without fully_shard they are plain modules, so
 // the same class is also the single-process reference. They are also registered in a
 // ModuleList "layers", so parameters are named "layers.0.attn.wq.weight" and so on.
+//
+// With a tensor-parallel group (config.tensor_parallel), attention heads, SwiGLU hidden
+// units and the vocabulary are split over it (Megatron-LM's layout: column-parallel
+// wq/wk/wv/w1/w3, row-parallel wo/w2, vocab-parallel embedding and tied output
+// projection); the forward then returns this rank's vocabulary slice of the logits, for
+// hp::vocab_parallel_cross_entropy. Without one, the layers are plain LibTorch ones.
 
 #include <torch/torch.h>
 
@@ -20,6 +26,7 @@
 
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/recompute.h"
+#include "hyperparallel/tensor_parallel.h"
 
 namespace hp::models {
 
@@ -30,6 +37,8 @@ struct TransformerConfig {
   int64_t layers = 2;
   int64_t ffn_hidden = 256;  // SwiGLU hidden size
   int64_t max_seq = 64;      // rows of the position embedding: the longest input
+  // Splits heads, ffn_hidden and vocab over its ranks; null: no tensor parallelism.
+  GroupPtr tensor_parallel;
 
   void validate() const {
     auto require = [](bool ok, const std::string& what) {
@@ -39,6 +48,14 @@ struct TransformerConfig {
             "sizes must be positive (layers may be 0)");
     require(dim % heads == 0, "dim (" + std::to_string(dim) + ") must be divisible by heads (" +
                                   std::to_string(heads) + ")");
+    const int64_t tp = tensor_parallel ? tensor_parallel->size() : 1;
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"heads", heads},
+                                      {"ffn_hidden", ffn_hidden},
+                                      {"vocab", vocab}}) {
+      require(value % tp == 0, std::string(name) + " (" + std::to_string(value) +
+                                   ") must be divisible by the tensor-parallel size (" +
+                                   std::to_string(tp) + ")");
+    }
   }
 };
 
@@ -56,18 +73,26 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-inline torch::nn::Linear linear_no_bias(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+// Without bias, split over `group` (null: a plain linear layer).
+inline hp::ColumnParallelLinear column_linear(int64_t in, int64_t out, const GroupPtr& group) {
+  return hp::ColumnParallelLinear(
+      hp::ColumnParallelLinearOptions{.in_features = in, .out_features = out, .bias = false},
+      group);
+}
+inline hp::RowParallelLinear row_linear(int64_t in, int64_t out, const GroupPtr& group) {
+  return hp::RowParallelLinear(
+      hp::RowParallelLinearOptions{.in_features = in, .out_features = out, .bias = false}, group);
 }
 
 struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(int64_t dim, int64_t heads)
-      : heads(heads),
+  // `group`: heads split over it (heads / its size on this rank).
+  AttentionImpl(int64_t dim, int64_t heads, const GroupPtr& group = nullptr)
+      : heads(heads / (group ? group->size() : 1)),
         head_dim(dim / heads),
-        wq(register_module("wq", linear_no_bias(dim, dim))),
-        wk(register_module("wk", linear_no_bias(dim, dim))),
-        wv(register_module("wv", linear_no_bias(dim, dim))),
-        wo(register_module("wo", linear_no_bias(dim, dim))) {}
+        wq(register_module("wq", column_linear(dim, dim, group))),
+        wk(register_module("wk", column_linear(dim, dim, group))),
+        wv(register_module("wv", column_linear(dim, dim, group))),
+        wo(register_module("wo", row_linear(dim, dim, group))) {}
 
   at::Tensor forward(const at::Tensor& x) {
     const int64_t batch = x.size(0), seq = x.size(1);
@@ -84,27 +109,31 @@ struct AttentionImpl : torch::nn::Module {
     return wo(out);
   }
 
-  int64_t heads, head_dim;
-  torch::nn::Linear wq, wk, wv, wo;
+  int64_t heads, head_dim;  // heads: this rank's
+  hp::ColumnParallelLinear wq, wk, wv;
+  hp::RowParallelLinear wo;
 };
 TORCH_MODULE(Attention);
 
 struct SwiGluImpl : torch::nn::Module {
-  SwiGluImpl(int64_t dim, int64_t hidden)
-      : w1(register_module("w1", linear_no_bias(dim, hidden))),
-        w3(register_module("w3", linear_no_bias(dim, hidden))),
-        w2(register_module("w2", linear_no_bias(hidden, dim))) {}
+  // `group`: hidden units split over it.
+  SwiGluImpl(int64_t dim, int64_t hidden, const GroupPtr& group = nullptr)
+      : w1(register_module("w1", column_linear(dim, hidden, group))),
+        w3(register_module("w3", column_linear(dim, hidden, group))),
+        w2(register_module("w2", row_linear(hidden, dim, group))) {}
   at::Tensor forward(const at::Tensor& x) { return w2(torch::silu(w1(x)) * w3(x)); }
-  torch::nn::Linear w1, w3, w2;  // gate, up, down
+  hp::ColumnParallelLinear w1, w3;  // gate, up
+  hp::RowParallelLinear w2;         // down
 };
 TORCH_MODULE(SwiGlu);
 
 struct DecoderBlockImpl : torch::nn::Module {
   explicit DecoderBlockImpl(const TransformerConfig& config)
       : attn_norm(register_module("attn_norm", RMSNorm(config.dim))),
-        attn(register_module("attn", Attention(config.dim, config.heads))),
+        attn(register_module("attn", Attention(config.dim, config.heads, config.tensor_parallel))),
         mlp_norm(register_module("mlp_norm", RMSNorm(config.dim))),
-        mlp(register_module("mlp", SwiGlu(config.dim, config.ffn_hidden))) {}
+        mlp(register_module("mlp", SwiGlu(config.dim, config.ffn_hidden, config.tensor_parallel))) {
+  }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x + attn(attn_norm(x));
     return h + mlp(mlp_norm(h));
@@ -118,7 +147,8 @@ TORCH_MODULE(DecoderBlock);
 
 // GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that
 // the initial logits are small (loss starts near log(vocab)). Draws from the global
-// generator in parameter order, so torch::manual_seed fixes the result.
+// generator in parameter order, so torch::manual_seed fixes the result (tensor-parallel
+// slices included: each is cut from the whole tensor drawn in its place).
 inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
   torch::NoGradGuard no_grad;
   const double residual_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(layers, 1));
@@ -127,7 +157,17 @@ inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
     at::Tensor& param = item.value();
     if (param.dim() < 2) continue;  // norm weights stay 1
     const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
-    param.normal_(0.0, residual_out ? residual_std : 0.02);
+    const double stddev = residual_out ? residual_std : 0.02;
+    // A tensor-parallel slice: drawn whole, as the single-process model draws it.
+    if (auto placement = hp::tensor_parallel_placement(param)) {
+      std::vector<int64_t> whole_shape = param.sizes().vec();
+      whole_shape[placement->dim] *= placement->group->size();
+      at::Tensor whole = torch::empty(whole_shape, param.options()).normal_(0.0, stddev);
+      const int64_t part = param.size(placement->dim);
+      param.copy_(whole.narrow(placement->dim, placement->group->rank() * part, part));
+    } else {
+      param.normal_(0.0, stddev);
+    }
   }
 }
 
@@ -146,8 +186,9 @@ inline std::vector<hp::Sharded<DecoderBlock>> register_decoder_layers(
 
 struct TransformerImpl : torch::nn::Module {
   explicit TransformerImpl(const TransformerConfig& config) : config(checked(config)) {
-    tok_embeddings =
-        register_module("tok_embeddings", torch::nn::Embedding(config.vocab, config.dim));
+    tok_embeddings = register_module(
+        "tok_embeddings",
+        hp::VocabParallelEmbedding(config.vocab, config.dim, config.tensor_parallel));
     pos_embeddings =
         register_module("pos_embeddings", torch::nn::Embedding(config.max_seq, config.dim));
     layers = register_decoder_layers(*this, config);
@@ -155,10 +196,13 @@ struct TransformerImpl : torch::nn::Module {
     init_weights();
   }
 
-  // tokens: [B, T] int64, T <= max_seq. Returns logits [B, T, vocab].
+  // tokens: [B, T] int64, T <= max_seq. Returns logits [B, T, vocab] (tensor-parallel:
+  // this rank's slice [B, T, vocab / tp]).
   at::Tensor forward(const at::Tensor& tokens) {
     // Tied output projection: the embedding matrix is the only copy of these weights.
-    return torch::nn::functional::linear(hidden(tokens), tok_embeddings->weight);
+    return torch::nn::functional::linear(
+        hp::copy_to_tensor_parallel(hidden(tokens), config.tensor_parallel),
+        tok_embeddings->weight);
   }
 
   // The final hidden states norm(h) [B, T, dim] that the output projection maps to
@@ -181,7 +225,8 @@ struct TransformerImpl : torch::nn::Module {
   }
 
   TransformerConfig config;
-  torch::nn::Embedding tok_embeddings{nullptr}, pos_embeddings{nullptr};
+  hp::VocabParallelEmbedding tok_embeddings{nullptr};
+  torch::nn::Embedding pos_embeddings{nullptr};
   std::vector<hp::Sharded<DecoderBlock>> layers;
   RMSNorm norm{nullptr};
   // Activation recomputation of layer i when recompute_layers[i] is set (missing

@@ -75,24 +75,66 @@ HP_DIST_TEST(DeviceMesh, ThreeDimensionalGroups, 8) {
             std::string::npos);
 }
 
+// A flattened group as a dimension of a sub-mesh (torchtitan's dp_shard x cp shard group).
+HP_DIST_TEST(DeviceMesh, FlattenedGroupsAreDimensionsOfSlices, 8) {
+  DeviceMesh mesh(testing::world(), {{"dp_shard", 2}, {"cp", 2}, {"tp", 2}});
+  const int64_t r = mesh.global_rank();
+  const GroupPtr& dp_cp = mesh.flatten({"dp_shard", "cp"}, "dp_shard_cp");
+  DeviceMesh shard = mesh.slice({"dp_shard_cp"});
+  EXPECT_EQ(shard.ndim(), 1);
+  EXPECT_EQ(shard.dim_names(), (std::vector<std::string>{"dp_shard_cp"}));
+  EXPECT_EQ(shard.size(), 4);
+  EXPECT_EQ(shard.size("dp_shard_cp"), 4);
+  EXPECT_EQ(shard.group("dp_shard_cp").get(), dp_cp.get());
+  EXPECT_EQ(shard.coordinate("dp_shard_cp"), dp_cp->rank());
+  EXPECT_EQ(shard.group_ranks("dp_shard_cp"),
+            (std::vector<int64_t>{r % 2, r % 2 + 2, r % 2 + 4, r % 2 + 6}));
+  EXPECT_TRUE(shard.has_group("cp")) << "its dims' own groups belong to it";
+  EXPECT_FALSE(shard.has_group("tp"));
+  // 2-D: the flattened dim and tp, listed out of order, kept in mesh order.
+  DeviceMesh two = mesh.slice({"tp", "dp_shard_cp"});
+  EXPECT_EQ(two.dim_names(), (std::vector<std::string>{"dp_shard_cp", "tp"}));
+  EXPECT_EQ(two.size(), 8);
+  const GroupPtr& all = two.flatten({"dp_shard_cp", "tp"}, "all");
+  EXPECT_EQ(all->size(), 8);
+  EXPECT_EQ(all->rank(), r);
+  for (const auto* name : {"dp_shard_cp", "all"}) expect_group_connects(*two.group(name));
+  EXPECT_NE(error_of([&] {
+              mesh.slice({"cp", "dp_shard_cp"});
+            }).find("listed twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              mesh.flatten({"dp_shard_cp", "dp_shard"}, "bad");
+            }).find("listed twice"),
+            std::string::npos);
+}
+
 HP_DIST_TEST(DeviceMesh, BadConfigurationsAreExplained, 4) {
   auto world = testing::world();
   EXPECT_NE(error_of([&] {
               DeviceMesh(world, {{"a", 2}, {"b", 3}});
             }).find("has 6 ranks but the world has 4"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { DeviceMesh(world, {{"a", 2}, {"a", 2}}); }).find("appears twice"),
+  EXPECT_NE(error_of([&] {
+              DeviceMesh(world, {{"a", 2}, {"a", 2}});
+            }).find("appears twice"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { DeviceMesh(world, {{"", 4}}); }).find("must not be empty"),
+  EXPECT_NE(error_of([&] {
+              DeviceMesh(world, {{"", 4}});
+            }).find("must not be empty"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { DeviceMesh(world, {{"a", -2}, {"b", -2}}); }).find("must be positive"),
+  EXPECT_NE(error_of([&] {
+              DeviceMesh(world, {{"a", -2}, {"b", -2}});
+            }).find("must be positive"),
             std::string::npos);
   EXPECT_NE(error_of([&] { DeviceMesh(world, {}); }).find("at least one dimension"),
             std::string::npos);
   DeviceMesh mesh(world, {{"x", 2}, {"y", 2}});
   EXPECT_NE(error_of([&] { mesh.coordinate("z"); }).find("no dimension 'z' (it has: x, y)"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { mesh.flatten({"x", "x"}, "xx"); }).find("listed twice"),
+  EXPECT_NE(error_of([&] {
+              mesh.flatten({"x", "x"}, "xx");
+            }).find("listed twice"),
             std::string::npos);
   EXPECT_NE(error_of([&] { mesh.flatten({"x"}, "y"); }).find("already used"), std::string::npos);
   EXPECT_NE(error_of([&] { mesh.slice({"q"}); }).find("no dimension 'q'"), std::string::npos);

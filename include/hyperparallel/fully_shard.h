@@ -105,10 +105,11 @@ class FSDPModule {
   void zero_grad();
 
   std::vector<ShardedParamInfo> sharded_params() const;
-  // The whole parameter, gathered from all shards (a collective: call on every rank).
+  // The whole parameter, gathered from all shards, and from all tensor-parallel slices
+  // for a parameter of a tensor-parallel layer (a collective: call on every rank).
   at::Tensor full_tensor(const std::string& name) const;
-  // The whole gradient of a parameter, gathered from the sharded gradients (a
-  // collective); undefined when the parameter has no gradient on any rank.
+  // The whole gradient of a parameter, gathered as full_tensor gathers (a collective);
+  // undefined when the parameter has no gradient on any rank.
   at::Tensor full_grad(const std::string& name) const;
   // apply_grad_on_fp32_main_grad: the fp32 gradient accumulator of a parameter.
   at::Tensor main_grad(const std::string& name) const;

@@ -4,6 +4,11 @@
 // process group per dimension — the ranks that differ only in that coordinate — and, on
 // request, one per flattened set of dimensions (e.g. "dp" = replicate x shard).
 //
+// A flattened set of dimensions can itself be a dimension of a sub-mesh: after
+// flatten({"dp_shard", "cp"}, "dp_shard_cp"), slice({"dp_replicate", "dp_shard_cp"}) is a
+// 2-D mesh whose second dimension spans both (the FSDP shard group of torchtitan's
+// dp_shard x cp).
+//
 // Group creation is a rendezvous: every rank constructs the same meshes and calls
 // flatten() with the same arguments, in the same order.
 
@@ -34,6 +39,8 @@ class DeviceMesh {
   int64_t ndim() const;
   std::vector<std::string> dim_names() const;
   int64_t size() const;  // number of ranks in this (sub-)mesh
+  // `dim` is a mesh dimension or a flattened name (its coordinate is row-major over the
+  // dimensions it spans, equal to this rank's rank in its group).
   int64_t size(const std::string& dim) const;
   int64_t coordinate(const std::string& dim) const;  // this rank's index along `dim`
   int64_t global_rank() const;
@@ -46,18 +53,20 @@ class DeviceMesh {
   // Creates the group over `dims` (in mesh order) under `name`; returns it.
   const GroupPtr& flatten(const std::vector<std::string>& dims, const std::string& name);
 
-  // The sub-mesh of this rank over `dims` (kept in mesh order). It shares the parent's
-  // groups, including flattened groups made only of those dims.
+  // The sub-mesh of this rank over `dims` (mesh dimensions or flattened names that share
+  // no dimension; kept in mesh order). It shares the parent's groups, including flattened
+  // groups made only of the dimensions it spans.
   DeviceMesh slice(const std::vector<std::string>& dims) const;
 
  private:
   struct Layout;
-  DeviceMesh(std::shared_ptr<Layout> layout, std::vector<size_t> kept);
-  size_t index_of(const std::string& dim) const;  // position in the root layout
+  DeviceMesh(std::shared_ptr<Layout> layout, std::vector<std::string> kept);
+  const std::vector<size_t>& span_of(const std::string& dim) const;  // its root dims
+  std::vector<size_t> spans_of(const std::vector<std::string>& dims, const char* operation) const;
   bool spans_kept_dims(const std::vector<size_t>& span) const;
 
   std::shared_ptr<Layout> layout_;  // the root mesh's dims and groups
-  std::vector<size_t> kept_;        // root dims this (sub-)mesh spans
+  std::vector<std::string> kept_;   // this (sub-)mesh's dims: root dims or flattened names
 };
 
 }  // namespace hp

@@ -10,16 +10,20 @@
 
 #include "fsdp_state.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/tensor_parallel_placement.h"
 #include "state_registry.h"
 
 namespace hp {
 namespace {
 
 // One parameter's gradient as this rank holds it. `shard_group`: the ranks holding the
-// other shards of it; null when this rank holds all of it.
+// other shards of it; null when this rank holds all of it. `tensor_parallel_group`: the
+// ranks holding its other tensor-parallel slices; null when it is not a slice (then it is
+// counted once, as every rank of a tensor-parallel group holds the same).
 struct GradPart {
-  at::Tensor grad;  // undefined: no gradient (the rank still joins its group's sum)
+  at::Tensor grad;  // undefined: no gradient (the rank still joins its groups' sums)
   const Group* shard_group = nullptr;
+  const Group* tensor_parallel_group = nullptr;
 };
 
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
@@ -35,11 +39,18 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
   std::vector<GradPart> parts;
   for (const at::Tensor& param : parameters) {
     auto it = sharded.find(param.unsafeGetTensorImpl());
+    GradPart part;
     if (it != sharded.end()) {
-      parts.push_back(it->second);
+      part = it->second;
     } else if (param.grad().defined()) {
-      parts.push_back({param.grad(), nullptr});
+      part.grad = param.grad();
+    } else {
+      continue;
     }
+    if (auto placement = tensor_parallel_placement(param)) {
+      part.tensor_parallel_group = placement->group.get();
+    }
+    parts.push_back(part);
   }
   return parts;
 }
@@ -83,25 +94,31 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     }
   }
 
-  // Whole gradients count as they are; shards are combined over their group first, one
-  // collective per group, in the order the groups first appear (the same on all ranks).
+  // Whole gradients count as they are; shards and slices are combined over their groups
+  // first, one collective per group, in the order the groups first appear (the same on
+  // all ranks).
+  using Groups = std::pair<const Group*, const Group*>;  // shard, tensor-parallel
   std::vector<at::Tensor> whole;
-  std::vector<const Group*> groups;
-  std::map<const Group*, std::vector<at::Tensor>> shards;
+  std::vector<Groups> order;
+  std::map<Groups, std::vector<at::Tensor>> split;
   for (const GradPart& part : parts) {
-    if (!part.shard_group) {
+    if (!part.shard_group && !part.tensor_parallel_group) {
       whole.push_back(part.grad);
       continue;
     }
-    if (!shards.count(part.shard_group)) groups.push_back(part.shard_group);
-    // The entry exists even without gradients: this rank still joins the group's sum.
-    std::vector<at::Tensor>& grads = shards[part.shard_group];
+    const Groups groups{part.shard_group, part.tensor_parallel_group};
+    if (!split.count(groups)) order.push_back(groups);
+    // The entry exists even without gradients: this rank still joins the groups' sums.
+    std::vector<at::Tensor>& grads = split[groups];
     if (part.grad.defined()) grads.push_back(part.grad);
   }
   at::Tensor total = partial_norm(whole, norm_type, options);
-  for (const Group* group : groups) {
-    at::Tensor partial = partial_norm(shards[group], norm_type, options);
-    all_reduce(partial, max_norm_type ? ReduceOp::kMax : ReduceOp::kSum, *group).wait();
+  const ReduceOp combine = max_norm_type ? ReduceOp::kMax : ReduceOp::kSum;
+  for (const Groups& groups : order) {
+    at::Tensor partial = partial_norm(split[groups], norm_type, options);
+    for (const Group* group : {groups.first, groups.second}) {
+      if (group) all_reduce(partial, combine, *group).wait();
+    }
     total = max_norm_type ? at::maximum(total, partial) : total + partial;
   }
   const double norm =

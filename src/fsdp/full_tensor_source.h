@@ -32,10 +32,10 @@ struct FullTensorSource {
       read_part;
 };
 
-// This rank's part of entry `name` (shaped like the whole parameter) for the sharded
-// parameter `shard`: shaped like its local shard.
+// This rank's part of entry `name` (shaped like the whole parameter) for `param`: its
+// local shard's part of its tensor-parallel slice (either may be the whole).
 at::Tensor read_local_part(const FullTensorSource& source, const std::string& name,
-                           const ShardedParam& shard);
+                           const ModelParam& param);
 
 // Both refer to their argument, which must outlive the source.
 FullTensorSource source_of(const StateDict& state);

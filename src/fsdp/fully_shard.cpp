@@ -51,7 +51,10 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
   if (dims.size() != 2) {
     throw std::invalid_argument(
         "fully_shard takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard); got " +
-        std::to_string(dims.size()) + " dimensions: slice the data-parallel dims out of it");
+        std::to_string(dims.size()) +
+        " dimensions: pass the data-parallel part of it, e.g. mesh.slice({\"dp_shard\"}), or "
+        "after mesh.flatten({\"dp_shard\", \"cp\"}, \"dp_shard_cp\"), "
+        "mesh.slice({\"dp_replicate\", \"dp_shard_cp\"})");
   }
   comm.replicate = mesh.group(dims[0]);
   comm.shard = mesh.group(dims[1]);

@@ -124,13 +124,14 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
     }
     for (const auto& [field, local] : codec.fields(*param_state)) {
       if (!local.defined()) continue;
-      const at::Tensor whole =
+      const at::Tensor slice =
           p.shard ? detail::gather_whole(*p.shard->param,
                                          p.shard->param->pad_local(local, local.scalar_type()),
                                          *p.shard->comm->shard)
                   : local;
-      visit(p.name + "." + field,
-            whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!p.shard.has_value()));
+      const at::Tensor whole = detail::join_tensor_parallel(p, slice);
+      const bool fresh = p.shard.has_value() || p.tensor_parallel.has_value();
+      visit(p.name + "." + field, whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!fresh));
     }
   }
 }
@@ -198,8 +199,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       Fields fields;
       for (const auto& field : planned.fields) {
         const std::string key = p.name + "." + field;
-        const at::Tensor local =
-            p.shard ? detail::read_local_part(source, key, *p.shard) : source.read(key);
+        const at::Tensor local = detail::read_local_part(source, key, p);
         fields[field] = local.to(options.dtype(local.scalar_type()), /*non_blocking=*/false,
                                  /*copy=*/true);
       }

@@ -43,9 +43,19 @@ std::string rank_file(int64_t rank) {
 
 // The World of the model's fully_shard-ed parameters; null when it has none (the calling
 // process saves and loads alone).
-std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params) {
+std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
+                                const std::string& caller) {
   for (const auto& p : params) {
     if (p.shard) return p.shard->comm->world;
+  }
+  for (const auto& p : params) {
+    if (p.tensor_parallel) {
+      throw std::invalid_argument(
+          caller + ": '" + p.name +
+          "' is a tensor-parallel slice of a model that fully_shard does not manage, so the "
+          "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
+          "is fine) or save a full checkpoint");
+    }
   }
   return nullptr;
 }
@@ -95,39 +105,64 @@ struct RankPieces {
   }
 };
 
-// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0), and
-// on rank 0 everything kept whole.
+// This rank's rank in the model's tensor-parallel group (0 without one): parameters that
+// are not slices are alike on all its ranks, and only its rank 0 writes them.
+int64_t tensor_parallel_rank(const std::vector<detail::ModelParam>& params) {
+  for (const auto& p : params) {
+    if (p.tensor_parallel) return p.tensor_parallel->group->rank();
+  }
+  return 0;
+}
+
+// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0; of a
+// parameter that is not a tensor-parallel slice: tensor-parallel rank 0), and on rank 0
+// everything kept whole (a tensor-parallel slice kept whole: the ranks of rank 0's
+// tensor-parallel group, one slice each).
 RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::nn::Module& model,
                           torch::optim::Optimizer* optimizer, const StateDict& extra,
                           bool is_rank0) {
   RankPieces pieces;
+  const bool tensor_parallel_rank0 = tensor_parallel_rank(params) == 0;
   for (const auto& p : params) {
     const std::optional<detail::ParamOptimizerState> state =
         optimizer ? detail::optimizer_state_of(*optimizer, p.variable) : std::nullopt;
     const std::string optim_name = kOptimizerPrefix + p.name + ".";
+    // Where this rank's slice starts in the whole tensor (zeros: not a slice).
+    std::vector<int64_t> slice_offsets(p.whole_shape.size(), 0);
+    if (p.tensor_parallel) {
+      const int64_t dim = p.tensor_parallel->dim;
+      const Group& group = *p.tensor_parallel->group;
+      slice_offsets[dim] = group.rank() * (p.whole_shape[dim] / group.size());
+    }
+    const bool writes_step =
+        p.tensor_parallel ? p.tensor_parallel->group->rank() == 0 : tensor_parallel_rank0;
     if (!p.shard) {
-      if (!is_rank0) continue;
-      pieces.add_whole(kModelPrefix + p.name, p.variable);
+      const bool writes =
+          p.tensor_parallel ? p.tensor_parallel->group->ranks().front() == 0 : is_rank0;
+      if (!writes) continue;
+      pieces.add(kModelPrefix + p.name, p.variable, slice_offsets, p.whole_shape);
       if (!state) continue;
-      for (const auto& [field, value] : state->fields) pieces.add_whole(optim_name + field, value);
-      if (state->step)
+      for (const auto& [field, value] : state->fields) {
+        pieces.add(optim_name + field, value, slice_offsets, p.whole_shape);
+      }
+      if (state->step && writes_step)
         pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
       continue;
     }
     const detail::ShardLayout& layout = p.shard->param->layout();
     if (p.shard->comm->replicate->rank() != 0) continue;
+    if (!p.tensor_parallel && !tensor_parallel_rank0) continue;
     if (layout.local > 0) {
-      std::vector<int64_t> offsets(layout.global_shape.size(), 0);
-      offsets[layout.dim] = layout.start();
-      pieces.add(kModelPrefix + p.name, p.shard->param->sharded_view(), offsets,
-                 layout.global_shape);
+      std::vector<int64_t> offsets = slice_offsets;
+      offsets[layout.dim] += layout.start();
+      pieces.add(kModelPrefix + p.name, p.shard->param->sharded_view(), offsets, p.whole_shape);
       if (state) {
         for (const auto& [field, value] : state->fields) {
-          pieces.add(optim_name + field, value, offsets, layout.global_shape);
+          pieces.add(optim_name + field, value, offsets, p.whole_shape);
         }
       }
     }
-    if (state && state->step && layout.rank == 0) {
+    if (state && state->step && layout.rank == 0 && writes_step) {
       pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
     }
   }
@@ -250,7 +285,7 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
   for (const auto& p : params) {
     if (p.shard) detail::require_sharded(*p.shard, p.name, caller.c_str());
   }
-  const std::shared_ptr<World> world = world_of(params);
+  const std::shared_ptr<World> world = world_of(params, caller);
   const int64_t rank = world ? world->rank() : 0;
   const int64_t ranks = world ? world->size() : 1;
   const std::string staged = dir + ".partial";
@@ -289,7 +324,7 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
   const std::string caller = "load_sharded_checkpoint";
   const std::vector<detail::ModelParam> params = detail::model_params(model);
   StateDict extra;
-  on_every_rank(world_of(params).get(), caller, "loading " + dir, [&] {
+  on_every_rank(world_of(params, caller).get(), caller, "loading " + dir, [&] {
     if (!is_complete_checkpoint(dir)) {
       throw std::invalid_argument(
           caller + ": " + dir + " is not a complete sharded checkpoint (no " + kCompleteMarker +

@@ -23,19 +23,39 @@ std::vector<ModelParam> model_params(torch::nn::Module& model) {
   const auto sharded = index_sharded_params();
   std::vector<ModelParam> params;
   for (const auto& item : model.named_parameters()) {
-    ModelParam param{item.key(), item.value(), std::nullopt, item.value().sizes().vec()};
+    ModelParam param{item.key(), item.value(), std::nullopt, std::nullopt,
+                     item.value().sizes().vec()};
     auto it = sharded.find(item.value().unsafeGetTensorImpl());
     if (it != sharded.end()) {
       param.shard = it->second;
       param.whole_shape = it->second.param->layout().global_shape;
+    }
+    param.tensor_parallel = tensor_parallel_placement(item.value());
+    if (param.tensor_parallel) {
+      param.whole_shape[param.tensor_parallel->dim] *= param.tensor_parallel->group->size();
     }
     params.push_back(std::move(param));
   }
   return params;
 }
 
+at::Tensor join_tensor_parallel(const ModelParam& p, const at::Tensor& slice) {
+  return p.tensor_parallel ? tensor_parallel_full_tensor(slice, *p.tensor_parallel) : slice;
+}
+
+at::Tensor tensor_parallel_slice(const ModelParam& p, const at::Tensor& whole) {
+  if (!p.tensor_parallel) return whole;
+  const Group& group = *p.tensor_parallel->group;
+  const int64_t part = whole.size(p.tensor_parallel->dim) / group.size();
+  return whole.narrow(p.tensor_parallel->dim, group.rank() * part, part);
+}
+
 bool writes_whole_tensors(torch::nn::Module& model) {
-  for (const ModelParam& p : model_params(model)) {
+  const std::vector<ModelParam> params = model_params(model);
+  for (const ModelParam& p : params) {
+    if (p.tensor_parallel && p.tensor_parallel->group->rank() != 0) return false;
+  }
+  for (const ModelParam& p : params) {
     if (p.shard) return p.shard->comm->data_parallel->rank() == 0;
   }
   return true;

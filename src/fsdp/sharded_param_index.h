@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "hyperparallel/tensor_parallel_placement.h"
+
 namespace hp::detail {
 
 class FSDPParam;
@@ -27,16 +29,25 @@ std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params();
 struct ModelParam {
   std::string name;  // as in model.named_parameters()
   at::Tensor variable;
-  std::optional<ShardedParam> shard;  // unset: not sharded, whole on every rank
-  std::vector<int64_t> whole_shape;
+  std::optional<ShardedParam> shard;  // unset: not sharded over data-parallel ranks
+  // Set: this rank holds a tensor-parallel slice; the whole tensor joins the slices.
+  std::optional<TensorParallelPlacement> tensor_parallel;
+  std::vector<int64_t> whole_shape;  // of the whole tensor (all shards, all slices)
 };
+
+// The whole tensor of `p` from `slice`, the tensor-parallel slice this rank holds (all
+// ranks of the slice's group join): `slice` itself when `p` is not a slice.
+at::Tensor join_tensor_parallel(const ModelParam& p, const at::Tensor& slice);
+// This rank's tensor-parallel slice of `whole`: `whole` itself when `p` is not a slice.
+at::Tensor tensor_parallel_slice(const ModelParam& p, const at::Tensor& whole);
 
 // The parameters of `model`, in its order.
 std::vector<ModelParam> model_params(torch::nn::Module& model);
 
 // Whether this process writes the files of `model`'s whole tensors: the first of the
-// data-parallel ranks its fully_shard calls span (so each pipeline stage writes its own).
-// A model fully_shard does not manage is written by every process that asks.
+// data-parallel ranks its fully_shard calls span (so each pipeline stage writes its own),
+// and the first of its tensor-parallel ranks. A model neither fully_shard nor tensor
+// parallelism manages is written by every process that asks.
 bool writes_whole_tensors(torch::nn::Module& model);
 
 // Throws std::logic_error naming `caller` when the parameter holds unsharded data now.

@@ -38,10 +38,12 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
   for (const auto& p : params) {
     if (p.shard) {
       const detail::FSDPParam& param = *p.shard->param;
-      visit(p.name,
-            detail::gather_whole(param, param.padded_shard(), *p.shard->comm->shard).to(at::kCPU));
+      const at::Tensor slice =
+          detail::gather_whole(param, param.padded_shard(), *p.shard->comm->shard);
+      visit(p.name, detail::join_tensor_parallel(p, slice).to(at::kCPU));
     } else {
-      visit(p.name, p.variable.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+      visit(p.name, detail::join_tensor_parallel(p, p.variable.detach())
+                        .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
   }
   for (const auto& item : model.named_buffers()) {
@@ -85,9 +87,9 @@ void load_model_state(torch::nn::Module& model, const FullTensorSource& source, 
     // then take their values from here.
     for (const auto& p : params) {
       if (p.shard) {
-        detail::set_local_value(*p.shard, detail::read_local_part(source, p.name, *p.shard));
+        detail::set_local_value(*p.shard, detail::read_local_part(source, p.name, p));
       } else {
-        detail::set_whole_value(p.variable, source.read(p.name), nullptr);
+        detail::set_whole_value(p.variable, detail::read_local_part(source, p.name, p), nullptr);
       }
     }
     for (const auto& item : model.named_buffers()) {

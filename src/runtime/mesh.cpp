@@ -84,10 +84,10 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, std::vector<MeshDim> dims) 
   layout->id = world->next_mesh_id();
   for (size_t i = 0; i < dims.size(); ++i) layout->make_group(dims[i].name, {i});
   layout_ = std::move(layout);
-  for (size_t i = 0; i < dims.size(); ++i) kept_.push_back(i);
+  for (const auto& d : dims) kept_.push_back(d.name);
 }
 
-DeviceMesh::DeviceMesh(std::shared_ptr<Layout> layout, std::vector<size_t> kept)
+DeviceMesh::DeviceMesh(std::shared_ptr<Layout> layout, std::vector<std::string> kept)
     : layout_(std::move(layout)), kept_(std::move(kept)) {}
 
 DeviceMesh DeviceMesh::from_env(std::vector<MeshDim> dims, WorldOptions options) {
@@ -98,39 +98,44 @@ const std::shared_ptr<World>& DeviceMesh::world() const { return layout_->world;
 
 int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(kept_.size()); }
 
-std::vector<std::string> DeviceMesh::dim_names() const {
-  std::vector<std::string> names;
-  for (size_t i : kept_) names.push_back(layout_->dims[i].name);
-  return names;
-}
+std::vector<std::string> DeviceMesh::dim_names() const { return kept_; }
 
 int64_t DeviceMesh::size() const {
   int64_t product = 1;
-  for (size_t i : kept_) product *= layout_->dims[i].size;
+  for (const auto& dim : kept_) product *= size(dim);
   return product;
 }
 
-size_t DeviceMesh::index_of(const std::string& dim) const {
-  for (size_t i : kept_) {
-    if (layout_->dims[i].name == dim) return i;
-  }
+// A dim of this mesh, or a flattened group of its dims (which acts as one dim).
+const std::vector<size_t>& DeviceMesh::span_of(const std::string& dim) const {
+  if (has_group(dim)) return layout_->group_dims.at(dim);
   std::string known;
-  for (const auto& name : dim_names()) known += (known.empty() ? "" : ", ") + name;
+  for (const auto& name : kept_) known += (known.empty() ? "" : ", ") + name;
   throw std::invalid_argument("mesh has no dimension '" + dim + "' (it has: " + known + ")");
 }
 
-int64_t DeviceMesh::size(const std::string& dim) const { return layout_->dims[index_of(dim)].size; }
+int64_t DeviceMesh::size(const std::string& dim) const {
+  int64_t product = 1;
+  for (size_t i : span_of(dim)) product *= layout_->dims[i].size;
+  return product;
+}
 
 int64_t DeviceMesh::coordinate(const std::string& dim) const {
-  return layout_->coords[index_of(dim)];
+  int64_t coordinate = 0;  // row-major over the dims it spans, as its group's ranks are
+  for (size_t i : span_of(dim))
+    coordinate = coordinate * layout_->dims[i].size + layout_->coords[i];
+  return coordinate;
 }
 
 int64_t DeviceMesh::global_rank() const { return layout_->world->rank(); }
 
 bool DeviceMesh::spans_kept_dims(const std::vector<size_t>& span) const {
-  // A group belongs to this (sub-)mesh when all the dims it spans are kept.
+  // A group belongs to this (sub-)mesh when all the root dims it spans are kept.
   return std::all_of(span.begin(), span.end(), [&](size_t i) {
-    return std::find(kept_.begin(), kept_.end(), i) != kept_.end();
+    return std::any_of(kept_.begin(), kept_.end(), [&](const std::string& dim) {
+      const auto& kept_span = layout_->group_dims.at(dim);
+      return std::find(kept_span.begin(), kept_span.end(), i) != kept_span.end();
+    });
   });
 }
 
@@ -153,29 +158,41 @@ std::vector<int64_t> DeviceMesh::group_ranks(const std::string& dim) const {
   return group(dim)->ranks();
 }
 
+// The root dims that `dims` (dims of this mesh) span together, ascending; throws if two
+// of them share a root dim.
+std::vector<size_t> DeviceMesh::spans_of(const std::vector<std::string>& dims,
+                                         const char* operation) const {
+  std::vector<size_t> span;
+  for (const auto& d : dims) {
+    const auto& part = span_of(d);
+    span.insert(span.end(), part.begin(), part.end());
+  }
+  std::sort(span.begin(), span.end());
+  if (std::adjacent_find(span.begin(), span.end()) != span.end()) {
+    throw std::invalid_argument(std::string(operation) +
+                                ": a dimension is listed twice (directly or inside a "
+                                "flattened one)");
+  }
+  return span;
+}
+
 const GroupPtr& DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
   if (dims.empty()) throw std::invalid_argument("flatten needs at least one dimension");
   if (name.empty()) throw std::invalid_argument("flatten needs a non-empty name");
   if (layout_->group_dims.count(name)) {
     throw std::invalid_argument("flatten: the name '" + name + "' is already used by this mesh");
   }
-  std::vector<size_t> span;
-  for (const auto& d : dims) span.push_back(index_of(d));
-  std::sort(span.begin(), span.end());
-  if (std::adjacent_find(span.begin(), span.end()) != span.end()) {
-    throw std::invalid_argument("flatten '" + name + "': a dimension is listed twice");
-  }
-  return layout_->make_group(name, span);
+  return layout_->make_group(name, spans_of(dims, ("flatten '" + name + "'").c_str()));
 }
 
 DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
   if (dims.empty()) throw std::invalid_argument("slice needs at least one dimension");
-  std::vector<size_t> kept;
-  for (const auto& d : dims) kept.push_back(index_of(d));
-  std::sort(kept.begin(), kept.end());
-  if (std::adjacent_find(kept.begin(), kept.end()) != kept.end()) {
-    throw std::invalid_argument("slice: a dimension is listed twice");
-  }
+  spans_of(dims, "slice");
+  std::vector<std::string> kept = dims;
+  // Mesh order: by the first root dim each one spans.
+  std::sort(kept.begin(), kept.end(), [&](const std::string& a, const std::string& b) {
+    return span_of(a).front() < span_of(b).front();
+  });
   return DeviceMesh(layout_, std::move(kept));
 }
 

@@ -1,0 +1,231 @@
+#include "hyperparallel/tensor_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/functional/embedding.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "hyperparallel/collectives.h"
+
+namespace hp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool is_parallel(const GroupPtr& group) { return group && group->size() > 1; }
+int64_t size_of(const GroupPtr& group) { return group ? group->size() : 1; }
+int64_t rank_of(const GroupPtr& group) { return group ? group->rank() : 0; }
+
+void record_placement(const at::Tensor& param, const GroupPtr& group, int64_t dim) {
+  if (is_parallel(group)) set_tensor_parallel_placement(param, {group, dim});
+}
+
+// This rank's slice of a whole tensor built on every rank (`whole` itself without a group).
+at::Tensor slice_of(const at::Tensor& whole, int64_t dim, const GroupPtr& group) {
+  if (!is_parallel(group)) return whole;
+  const int64_t part = whole.size(dim) / group->size();
+  return whole.narrow(dim, group->rank() * part, part).clone();
+}
+
+void require_divisible(const char* layer, const char* what, int64_t value, const GroupPtr& group) {
+  if (value % size_of(group) != 0) {
+    throw std::invalid_argument(std::string(layer) + ": " + what + " (" + std::to_string(value) +
+                                ") must be divisible by the tensor-parallel group size (" +
+                                std::to_string(size_of(group)) +
+                                "); choose sizes that split evenly over the group");
+  }
+}
+
+// Carries the group through the autograd context.
+struct GroupRef : torch::CustomClassHolder {
+  explicit GroupRef(GroupPtr g) : group(std::move(g)) {}
+  GroupPtr group;
+};
+
+void save_group(AutogradContext* ctx, const GroupPtr& group) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupRef>(group));
+}
+const Group& saved_group(AutogradContext* ctx) {
+  return *static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get())->group;
+}
+
+at::Tensor summed(const at::Tensor& x, const Group& group) {
+  at::Tensor sum = x.clone(at::MemoryFormat::Contiguous);
+  all_reduce(sum, ReduceOp::kSum, group).wait();
+  return sum;
+}
+
+// The ranks' x put side by side along the last dim.
+at::Tensor gathered_last_dim(const at::Tensor& x, const Group& group) {
+  at::Tensor local = x.contiguous();
+  std::vector<int64_t> stacked_shape{group.size()};
+  stacked_shape.insert(stacked_shape.end(), local.sizes().begin(), local.sizes().end());
+  at::Tensor stacked = at::empty(stacked_shape, local.options());
+  all_gather(stacked, local, group).wait();
+  return at::cat(stacked.unbind(0), -1);
+}
+
+at::Tensor own_slice_last_dim(const at::Tensor& x, const Group& group) {
+  return x.chunk(group.size(), -1)[group.rank()].contiguous();
+}
+
+struct CopyToTensorParallel : torch::autograd::Function<CopyToTensorParallel> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
+    save_group(ctx, group);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {summed(grads[0], saved_group(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromTensorParallel : torch::autograd::Function<ReduceFromTensorParallel> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, GroupPtr group) {
+    return summed(x, *group);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct GatherFromTensorParallel : torch::autograd::Function<GatherFromTensorParallel> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
+    save_group(ctx, group);
+    return gathered_last_dim(x, *group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {own_slice_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
+  }
+};
+
+// The conjugate of the gather: forward this rank's slice of a replicated x, backward the
+// slices' gradients put together.
+struct ScatterToTensorParallel : torch::autograd::Function<ScatterToTensorParallel> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
+    save_group(ctx, group);
+    return own_slice_last_dim(x, *group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gathered_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const GroupPtr& group) {
+  return is_parallel(group) ? CopyToTensorParallel::apply(x, group) : x;
+}
+
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const GroupPtr& group) {
+  return is_parallel(group) ? ReduceFromTensorParallel::apply(x, group) : x;
+}
+
+at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const GroupPtr& group) {
+  return is_parallel(group) ? GatherFromTensorParallel::apply(x, group) : x;
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options,
+                                                   GroupPtr group)
+    : options(options), group(std::move(group)) {
+  require_divisible("ColumnParallelLinear", "out_features", options.out_features, this->group);
+  torch::NoGradGuard no_grad;
+  // The whole weight drawn as torch::nn::Linear draws it.
+  at::Tensor whole = torch::empty({options.out_features, options.in_features});
+  torch::nn::init::kaiming_uniform_(whole, std::sqrt(5.0));
+  weight = register_parameter("weight", slice_of(whole, 0, this->group));
+  record_placement(weight, this->group, 0);
+  if (options.bias) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features));
+    at::Tensor whole_bias = torch::empty({options.out_features});
+    torch::nn::init::uniform_(whole_bias, -bound, bound);
+    bias = register_parameter("bias", slice_of(whole_bias, 0, this->group));
+    record_placement(bias, this->group, 0);
+  }
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor local = torch::linear(copy_to_tensor_parallel(x, group), weight, bias);
+  return options.gather_output ? gather_from_tensor_parallel(local, group) : local;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, GroupPtr group)
+    : options(options), group(std::move(group)) {
+  require_divisible("RowParallelLinear", "in_features", options.in_features, this->group);
+  torch::NoGradGuard no_grad;
+  at::Tensor whole = torch::empty({options.out_features, options.in_features});
+  torch::nn::init::kaiming_uniform_(whole, std::sqrt(5.0));
+  weight = register_parameter("weight", slice_of(whole, 1, this->group));
+  record_placement(weight, this->group, 1);
+  if (options.bias) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features));
+    bias = register_parameter("bias", torch::empty({options.out_features}));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  if (!is_parallel(group)) return torch::linear(x, weight, bias);
+  at::Tensor local_input = options.input_is_parallel ? x : ScatterToTensorParallel::apply(x, group);
+  at::Tensor output = reduce_from_tensor_parallel(torch::linear(local_input, weight), group);
+  return bias.defined() ? output + bias : output;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, GroupPtr group)
+    : vocab(vocab), dim(dim), group(std::move(group)) {
+  require_divisible("VocabParallelEmbedding", "vocab", vocab, this->group);
+  torch::NoGradGuard no_grad;
+  at::Tensor whole = torch::empty({vocab, dim});
+  torch::nn::init::normal_(whole);  // as torch::nn::Embedding
+  weight = register_parameter("weight", slice_of(whole, 0, this->group));
+  record_placement(weight, this->group, 0);
+}
+
+int64_t VocabParallelEmbeddingImpl::vocab_begin() const {
+  return rank_of(group) * (vocab / size_of(group));
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& tokens) {
+  if (!is_parallel(group)) return torch::embedding(weight, tokens);
+  const int64_t begin = vocab_begin();
+  at::Tensor outside = (tokens < begin).logical_or(tokens >= begin + weight.size(0));
+  at::Tensor rows = torch::embedding(weight, (tokens - begin).masked_fill(outside, 0));
+  return reduce_from_tensor_parallel(rows.masked_fill(outside.unsqueeze(-1), 0.0), group);
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const GroupPtr& group) {
+  if (logits.dim() != 2 || target.dim() != 1 || logits.size(0) != target.size(0)) {
+    throw std::invalid_argument(
+        "vocab_parallel_cross_entropy: expects logits [N, vocab / tp] and target [N]; got "
+        "logits " +
+        c10::str(logits.sizes()) + " and target " + c10::str(target.sizes()));
+  }
+  if (!is_parallel(group)) return torch::nn::functional::cross_entropy(logits, target);
+  const int64_t part = logits.size(1);
+  const int64_t vocab = part * group->size();
+  if (target.numel() > 0 &&
+      (target.min().item<int64_t>() < 0 || target.max().item<int64_t>() >= vocab)) {
+    throw std::invalid_argument("vocab_parallel_cross_entropy: target ids must lie in [0, " +
+                                std::to_string(vocab) + ") (the whole vocabulary)");
+  }
+  at::Tensor x = logits.to(at::kFloat);
+  // The shift only keeps exp() in range; it does not change the loss, so no gradient.
+  at::Tensor max = std::get<0>(x.detach().max(-1));
+  all_reduce(max, ReduceOp::kMax, *group).wait();
+  at::Tensor shifted = x - max.unsqueeze(-1);
+  at::Tensor sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(-1), group);
+  const int64_t begin = group->rank() * part;
+  at::Tensor outside = (target < begin).logical_or(target >= begin + part);
+  at::Tensor target_logit =
+      shifted.gather(-1, (target - begin).masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1);
+  target_logit = reduce_from_tensor_parallel(target_logit.masked_fill(outside, 0.0), group);
+  return (sum_exp.log() - target_logit).mean();
+}
+
+}  // namespace hp
