@@ -107,9 +107,11 @@ HP_DIST_TEST(ContextParallel, GatherAlongDimConcatenatesAndSumsGradients, 1, 2, 
     at::Tensor whole = torch::cat(parts, dim);
     EXPECT_TRUE(torch::equal(gathered, whole));
     // Rank r weighs the gathered tensor by (r + 1) x base: the gradient of a part is the
-    // base's slice of that part times 1 + 2 + ... + ranks.
+    // base's slice of that part times 1 + 2 + ... + ranks. In place where the gather made
+    // a new tensor (an ordinary one: autograd allows it); on 1 rank it returns `local`.
     at::Tensor base = torch::arange(whole.numel(), at::kFloat).view(whole.sizes());
-    (gathered * base * double(rank + 1)).sum().backward();
+    at::Tensor weights = base * double(rank + 1);
+    (ranks > 1 ? gathered.mul_(weights) : gathered * weights).sum().backward();
     const int64_t len = local.size(dim);
     at::Tensor expected = base.narrow(dim, rank * len, len) * double(ranks * (ranks + 1) / 2);
     EXPECT_TRUE(torch::equal(local.grad(), expected));

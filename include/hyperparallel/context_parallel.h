@@ -62,7 +62,8 @@ at::Tensor unshard_sequence(const at::Tensor& local, const GroupPtr& group,
 
 // Every rank's `local` concatenated along `dim` in group-rank order (a collective).
 // Differentiable: backward reduce-scatters the gradient (summed over the ranks) back to
-// each rank's part. All ranks' `local` must have the same shape.
+// each rank's part. All ranks' `local` must have the same shape. On a group of size 1 it
+// returns `local` itself.
 at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr& group);
 
 // Causal attention of this rank's queries to the keys and values of the whole sequence.

@@ -71,39 +71,23 @@ void check_local_length(int64_t local_len, SequenceLayout layout, const std::str
                               "hp::shard_sequence from a length divisible by 2 x cp");
 }
 
-// c10d's all-gather and reduce-scatter are flat (rank-major): with `dim` moved to the
-// front, rank-major is concatenation along `dim`.
-at::Tensor all_gather_along(const at::Tensor& local, int64_t dim, const Group& group) {
-  at::Tensor leading = local.movedim(dim, 0).contiguous();
-  std::vector<int64_t> shape = leading.sizes().vec();
-  shape[0] *= group.size();
-  at::Tensor gathered = at::empty(shape, leading.options());
-  all_gather(gathered, leading, group).wait();
-  return gathered.movedim(0, dim);
-}
-
-at::Tensor reduce_scatter_along(const at::Tensor& whole, int64_t dim, const Group& group) {
-  at::Tensor leading = whole.movedim(dim, 0).contiguous();
-  std::vector<int64_t> shape = leading.sizes().vec();
-  shape[0] /= group.size();
-  at::Tensor part = at::empty(shape, leading.options());
-  reduce_scatter(part, leading, ReduceOp::kSum, group).wait();
-  return part.movedim(0, dim);
-}
-
 // Keeps the group alive in the autograd graph until backward has used it.
 struct GroupRef : torch::CustomClassHolder {
   explicit GroupRef(GroupPtr g) : group(std::move(g)) {}
   GroupPtr group;
 };
 
-// Forward all-gathers along a dim; backward reduce-scatters the gradient (sum): each
-// rank's part is read by every rank, so its gradient is the sum of theirs.
-struct GatherAlongDim : torch::autograd::Function<GatherAlongDim> {
+// Concatenation along dim 0 is what c10d's flat, rank-major all-gather produces.
+// Backward reduce-scatters the gradient (sum): every rank read each rank's part, so the
+// part's gradient is the sum of theirs.
+struct GatherAlongDim0 : torch::autograd::Function<GatherAlongDim0> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local,
-                            int64_t dim, c10::intrusive_ptr<GroupRef> ref) {
-    at::Tensor gathered = all_gather_along(local, dim, *ref->group);
-    ctx->saved_data["dim"] = dim;
+                            c10::intrusive_ptr<GroupRef> ref) {
+    const Group& group = *ref->group;
+    std::vector<int64_t> shape = local.sizes().vec();
+    shape[0] *= group.size();
+    at::Tensor gathered = at::empty(shape, local.options());
+    all_gather(gathered, local.contiguous(), group).wait();
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
     return gathered;
   }
@@ -112,8 +96,11 @@ struct GatherAlongDim : torch::autograd::Function<GatherAlongDim> {
                                                  torch::autograd::variable_list grads) {
     auto holder = ctx->saved_data["group"].toCapsule();
     const Group& group = *static_cast<GroupRef*>(holder.get())->group;
-    at::Tensor grad = reduce_scatter_along(grads[0], ctx->saved_data["dim"].toInt(), group);
-    return {grad, at::Tensor(), at::Tensor()};
+    std::vector<int64_t> shape = grads[0].sizes().vec();
+    shape[0] /= group.size();
+    at::Tensor part = at::empty(shape, grads[0].options());
+    reduce_scatter(part, grads[0].contiguous(), ReduceOp::kSum, group).wait();
+    return {part, at::Tensor()};
   }
 };
 
@@ -124,7 +111,9 @@ at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr
   const Group& checked = require_group(group, caller);
   dim = wrapped_dim(local, dim, caller);
   if (checked.size() == 1) return local;
-  return GatherAlongDim::apply(local, dim, c10::make_intrusive<GroupRef>(group));
+  // Plain autograd views around the gather: the result may be written in place.
+  return GatherAlongDim0::apply(local.movedim(dim, 0), c10::make_intrusive<GroupRef>(group))
+      .movedim(0, dim);
 }
 
 at::Tensor shard_sequence(const at::Tensor& global, const GroupPtr& group,
