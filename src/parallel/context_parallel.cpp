@@ -173,7 +173,7 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                                       const GroupPtr& group,
                                       const ContextParallelOptions& options) {
   const std::string caller = "hp::context_parallel_attention";
-  require_group(group, caller);
+  const Group& checked = require_group(group, caller);
   if (q.dim() != 4 || k.sizes() != q.sizes() || v.sizes() != q.sizes()) {
     throw std::invalid_argument(caller +
                                 ": q, k and v must all be [batch, heads, local_seq, "
@@ -182,15 +182,16 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                                 c10::str(v.sizes()));
   }
   const int64_t local_len = q.size(2), head_dim = q.size(3);
-  check_local_length(local_len, options.layout, caller);
+  if (checked.size() > 1) check_local_length(local_len, options.layout, caller);
   // k and v travel together: one all-gather (and one reduce-scatter in backward).
   at::Tensor kv = unshard_sequence(at::stack({k, v}), group, options, /*seq_dim=*/3);
   at::Tensor keys = kv[0], values = kv[1];  // [B, H, T, hd], global order
   const int64_t seq_len = keys.size(2);
   at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(double(head_dim));
-  const at::TensorOptions positions = q.options().dtype(at::kLong);
-  at::Tensor query_pos = sequence_positions(seq_len, group, options, positions);
-  at::Tensor future = at::arange(seq_len, positions).unsqueeze(0) > query_pos.unsqueeze(1);
+  const at::TensorOptions position_options = q.options().dtype(at::kLong);
+  at::Tensor query_pos = sequence_positions(seq_len, group, options, position_options);
+  at::Tensor key_pos = at::arange(seq_len, position_options);
+  at::Tensor future = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);  // [T_local, T]
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   // Softmax in fp32: bf16 scores lose the small probabilities.
   at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(v.scalar_type());
