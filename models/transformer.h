@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "hyperparallel/context_parallel.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/recompute.h"
 #include "hyperparallel/tensor_parallel.h"
@@ -39,6 +40,11 @@ struct TransformerConfig {
   int64_t max_seq = 64;      // rows of the position embedding: the longest input
   // Splits heads, ffn_hidden and vocab over its ranks; null: no tensor parallelism.
   GroupPtr tensor_parallel;
+  // Context parallelism: the sequence is split over this group (null or size 1: off).
+  // The tokens given to the model are then this rank's part (hp::shard_sequence with
+  // these options); max_seq bounds the whole sequence.
+  hp::GroupPtr context_parallel;
+  hp::ContextParallelOptions context_parallel_options;
 
   void validate() const {
     auto require = [](bool ok, const std::string& what) {
@@ -85,14 +91,19 @@ inline hp::RowParallelLinear row_linear(int64_t in, int64_t out, const GroupPtr&
 }
 
 struct AttentionImpl : torch::nn::Module {
-  // `group`: heads split over it (heads / its size on this rank).
-  AttentionImpl(int64_t dim, int64_t heads, const GroupPtr& group = nullptr)
-      : heads(heads / (group ? group->size() : 1)),
+  // `tensor_parallel`: heads split over it (heads / its size on this rank).
+  // `context_parallel`: x is this rank's part of the sequence.
+  AttentionImpl(int64_t dim, int64_t heads, const GroupPtr& tensor_parallel = nullptr,
+                GroupPtr context_parallel = nullptr,
+                hp::ContextParallelOptions context_parallel_options = {})
+      : heads(heads / (tensor_parallel ? tensor_parallel->size() : 1)),
         head_dim(dim / heads),
-        wq(register_module("wq", column_linear(dim, dim, group))),
-        wk(register_module("wk", column_linear(dim, dim, group))),
-        wv(register_module("wv", column_linear(dim, dim, group))),
-        wo(register_module("wo", row_linear(dim, dim, group))) {}
+        wq(register_module("wq", column_linear(dim, dim, tensor_parallel))),
+        wk(register_module("wk", column_linear(dim, dim, tensor_parallel))),
+        wv(register_module("wv", column_linear(dim, dim, tensor_parallel))),
+        wo(register_module("wo", row_linear(dim, dim, tensor_parallel))),
+        context_parallel(std::move(context_parallel)),
+        context_parallel_options(context_parallel_options) {}
 
   at::Tensor forward(const at::Tensor& x) {
     const int64_t batch = x.size(0), seq = x.size(1);
@@ -100,18 +111,27 @@ struct AttentionImpl : torch::nn::Module {
       return t.view({batch, seq, heads, head_dim}).transpose(1, 2);  // [B, H, T, hd]
     };
     at::Tensor q = split_heads(wq(x)), k = split_heads(wk(x)), v = split_heads(wv(x));
-    at::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(head_dim));
-    at::Tensor future = torch::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-    // Softmax in fp32: bf16 scores lose the small probabilities.
-    at::Tensor probs = torch::softmax(scores, -1, at::kFloat).to(v.scalar_type());
-    at::Tensor out = torch::matmul(probs, v).transpose(1, 2).reshape({batch, seq, -1});
+    at::Tensor attended;
+    if (context_parallel && context_parallel->size() > 1) {
+      attended =
+          hp::context_parallel_attention(q, k, v, context_parallel, context_parallel_options);
+    } else {
+      at::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(head_dim));
+      at::Tensor future = torch::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
+      scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+      // Softmax in fp32: bf16 scores lose the small probabilities.
+      at::Tensor probs = torch::softmax(scores, -1, at::kFloat).to(v.scalar_type());
+      attended = torch::matmul(probs, v);
+    }
+    at::Tensor out = attended.transpose(1, 2).reshape({batch, seq, -1});
     return wo(out);
   }
 
   int64_t heads, head_dim;  // heads: this rank's
   hp::ColumnParallelLinear wq, wk, wv;
   hp::RowParallelLinear wo;
+  hp::GroupPtr context_parallel;  // x is this rank's part of the sequence when size > 1
+  hp::ContextParallelOptions context_parallel_options;
 };
 TORCH_MODULE(Attention);
 
@@ -130,7 +150,9 @@ TORCH_MODULE(SwiGlu);
 struct DecoderBlockImpl : torch::nn::Module {
   explicit DecoderBlockImpl(const TransformerConfig& config)
       : attn_norm(register_module("attn_norm", RMSNorm(config.dim))),
-        attn(register_module("attn", Attention(config.dim, config.heads, config.tensor_parallel))),
+        attn(register_module("attn",
+                             Attention(config.dim, config.heads, config.tensor_parallel,
+                                       config.context_parallel, config.context_parallel_options))),
         mlp_norm(register_module("mlp_norm", RMSNorm(config.dim))),
         mlp(register_module("mlp", SwiGlu(config.dim, config.ffn_hidden, config.tensor_parallel))) {
   }
@@ -209,9 +231,14 @@ struct TransformerImpl : torch::nn::Module {
   // logits, for losses that project them themselves (e.g. chunked cross-entropy).
   at::Tensor hidden(const at::Tensor& tokens) {
     TORCH_CHECK(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got ", tokens.sizes());
-    TORCH_CHECK(tokens.size(1) <= config.max_seq, "sequence length ", tokens.size(1),
-                " exceeds max_seq ", config.max_seq);
-    at::Tensor positions = torch::arange(tokens.size(1), tokens.options());
+    // Under context parallelism the tokens are this rank's part of the sequence.
+    const auto& cp = config.context_parallel;
+    const int64_t seq = cp ? tokens.size(1) * cp->size() : tokens.size(1);
+    TORCH_CHECK(seq <= config.max_seq, "sequence length ", seq, " exceeds max_seq ",
+                config.max_seq);
+    at::Tensor positions =
+        cp ? hp::sequence_positions(seq, cp, config.context_parallel_options, tokens.options())
+           : torch::arange(seq, tokens.options());
     at::Tensor h = tok_embeddings(tokens) + pos_embeddings(positions);
     for (size_t i = 0; i < layers.size(); ++i) {
       if (i < recompute_layers.size() && recompute_layers[i]) {

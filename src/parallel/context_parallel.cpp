@@ -1,0 +1,201 @@
+#include "hyperparallel/context_parallel.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "hyperparallel/collectives.h"
+
+namespace hp {
+namespace {
+
+const Group& require_group(const GroupPtr& group, const std::string& caller) {
+  if (!group) {
+    throw std::invalid_argument(caller +
+                                ": no context-parallel group; pass the group the sequence is "
+                                "split over (e.g. mesh.group(\"cp\"))");
+  }
+  return *group;
+}
+
+int64_t wrapped_dim(const at::Tensor& tensor, int64_t dim, const std::string& caller) {
+  if (tensor.dim() == 0 || dim < -tensor.dim() || dim >= tensor.dim()) {
+    throw std::invalid_argument(caller + ": dim " + std::to_string(dim) +
+                                " is out of range for a tensor of " + std::to_string(tensor.dim()) +
+                                " dims");
+  }
+  return dim < 0 ? dim + tensor.dim() : dim;
+}
+
+int64_t chunks_per_rank(SequenceLayout layout) {
+  return layout == SequenceLayout::kLoadBalanced ? 2 : 1;
+}
+
+// The chunks of the global sequence that group rank `rank` of `ranks` holds, in the order
+// it holds them.
+std::vector<int64_t> chunks_of_rank(int64_t rank, int64_t ranks, SequenceLayout layout) {
+  if (layout == SequenceLayout::kContiguous) return {rank};
+  return {rank, 2 * ranks - 1 - rank};
+}
+
+void check_global_length(int64_t seq_len, int64_t ranks, SequenceLayout layout,
+                         const std::string& caller) {
+  const int64_t chunks = chunks_per_rank(layout) * ranks;
+  if (seq_len >= 0 && seq_len % chunks == 0) return;
+  const std::string n = std::to_string(chunks), cp = std::to_string(ranks);
+  if (layout == SequenceLayout::kLoadBalanced) {
+    throw std::invalid_argument(caller + ": sequence length " + std::to_string(seq_len) +
+                                " is not divisible by 2 x cp = " + n +
+                                " (the load-balanced layout cuts it into 2 chunks per rank, cp = " +
+                                cp + "); pad or trim the sequence to a multiple of " + n +
+                                ", or use SequenceLayout::kContiguous (a multiple of " + cp + ")");
+  }
+  throw std::invalid_argument(caller + ": sequence length " + std::to_string(seq_len) +
+                              " is not divisible by cp = " + n +
+                              " (the contiguous layout gives each rank one chunk); pad or trim "
+                              "the sequence to a multiple of " +
+                              n);
+}
+
+// A rank's part of a load-balanced sequence is two equal chunks.
+void check_local_length(int64_t local_len, SequenceLayout layout, const std::string& caller) {
+  if (layout != SequenceLayout::kLoadBalanced || local_len % 2 == 0) return;
+  throw std::invalid_argument(caller + ": this rank's part has " + std::to_string(local_len) +
+                              " tokens, but the load-balanced layout gives each rank 2 equal "
+                              "chunks, so it must be even; cut the sequence with "
+                              "hp::shard_sequence from a length divisible by 2 x cp");
+}
+
+// Keeps the group alive in the autograd graph until backward has used it.
+struct GroupRef : torch::CustomClassHolder {
+  explicit GroupRef(GroupPtr g) : group(std::move(g)) {}
+  GroupPtr group;
+};
+
+// Concatenation along dim 0 is what c10d's flat, rank-major all-gather produces.
+// Backward reduce-scatters the gradient (sum): every rank read each rank's part, so the
+// part's gradient is the sum of theirs.
+struct GatherAlongDim0 : torch::autograd::Function<GatherAlongDim0> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local,
+                            c10::intrusive_ptr<GroupRef> ref) {
+    const Group& group = *ref->group;
+    std::vector<int64_t> shape = local.sizes().vec();
+    shape[0] *= group.size();
+    at::Tensor gathered = at::empty(shape, local.options());
+    all_gather(gathered, local.contiguous(), group).wait();
+    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
+    return gathered;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto holder = ctx->saved_data["group"].toCapsule();
+    const Group& group = *static_cast<GroupRef*>(holder.get())->group;
+    std::vector<int64_t> shape = grads[0].sizes().vec();
+    shape[0] /= group.size();
+    at::Tensor part = at::empty(shape, grads[0].options());
+    reduce_scatter(part, grads[0].contiguous(), ReduceOp::kSum, group).wait();
+    return {part, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr& group) {
+  const std::string caller = "hp::gather_along_dim";
+  const Group& checked = require_group(group, caller);
+  dim = wrapped_dim(local, dim, caller);
+  if (checked.size() == 1) return local;
+  // Plain autograd views around the gather: the result may be written in place.
+  return GatherAlongDim0::apply(local.movedim(dim, 0), c10::make_intrusive<GroupRef>(group))
+      .movedim(0, dim);
+}
+
+at::Tensor shard_sequence(const at::Tensor& global, const GroupPtr& group,
+                          const ContextParallelOptions& options, int64_t seq_dim) {
+  const std::string caller = "hp::shard_sequence";
+  const Group& checked = require_group(group, caller);
+  seq_dim = wrapped_dim(global, seq_dim, caller);
+  if (checked.size() == 1) return global;
+  const int64_t seq_len = global.size(seq_dim);
+  check_global_length(seq_len, checked.size(), options.layout, caller);
+  const int64_t chunk_len = seq_len / (chunks_per_rank(options.layout) * checked.size());
+  std::vector<at::Tensor> parts;
+  for (int64_t chunk : chunks_of_rank(checked.rank(), checked.size(), options.layout)) {
+    parts.push_back(global.narrow(seq_dim, chunk * chunk_len, chunk_len));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, seq_dim);
+}
+
+at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
+                              const ContextParallelOptions& options,
+                              const at::TensorOptions& tensor_options) {
+  const std::string caller = "hp::sequence_positions";
+  const Group& checked = require_group(group, caller);
+  if (checked.size() == 1) return at::arange(seq_len, tensor_options);
+  check_global_length(seq_len, checked.size(), options.layout, caller);
+  const int64_t chunk_len = seq_len / (chunks_per_rank(options.layout) * checked.size());
+  std::vector<at::Tensor> parts;
+  for (int64_t chunk : chunks_of_rank(checked.rank(), checked.size(), options.layout)) {
+    parts.push_back(at::arange(chunk * chunk_len, (chunk + 1) * chunk_len, tensor_options));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+at::Tensor unshard_sequence(const at::Tensor& local, const GroupPtr& group,
+                            const ContextParallelOptions& options, int64_t seq_dim) {
+  const std::string caller = "hp::unshard_sequence";
+  const Group& checked = require_group(group, caller);
+  seq_dim = wrapped_dim(local, seq_dim, caller);
+  if (checked.size() == 1) return local;
+  check_local_length(local.size(seq_dim), options.layout, caller);
+  at::Tensor gathered = gather_along_dim(local, seq_dim, group);  // parts in rank order
+  if (options.layout == SequenceLayout::kContiguous) return gathered;
+  const int64_t per_rank = chunks_per_rank(options.layout);
+  const int64_t chunk_len = local.size(seq_dim) / per_rank;
+  std::vector<at::Tensor> in_global_order(per_rank * checked.size());
+  for (int64_t rank = 0; rank < checked.size(); ++rank) {
+    const std::vector<int64_t> chunks = chunks_of_rank(rank, checked.size(), options.layout);
+    for (int64_t i = 0; i < per_rank; ++i) {
+      in_global_order[chunks[i]] =
+          gathered.narrow(seq_dim, (rank * per_rank + i) * chunk_len, chunk_len);
+    }
+  }
+  return at::cat(in_global_order, seq_dim);
+}
+
+at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const GroupPtr& group,
+                                      const ContextParallelOptions& options) {
+  const std::string caller = "hp::context_parallel_attention";
+  const Group& checked = require_group(group, caller);
+  if (q.dim() != 4 || k.sizes() != q.sizes() || v.sizes() != q.sizes()) {
+    throw std::invalid_argument(caller +
+                                ": q, k and v must all be [batch, heads, local_seq, "
+                                "head_dim]; got q " +
+                                c10::str(q.sizes()) + ", k " + c10::str(k.sizes()) + ", v " +
+                                c10::str(v.sizes()));
+  }
+  const int64_t local_len = q.size(2), head_dim = q.size(3);
+  if (checked.size() > 1) check_local_length(local_len, options.layout, caller);
+  // k and v travel together: one all-gather (and one reduce-scatter in backward).
+  at::Tensor kv = unshard_sequence(at::stack({k, v}), group, options, /*seq_dim=*/3);
+  at::Tensor keys = kv[0], values = kv[1];  // [B, H, T, hd], global order
+  const int64_t seq_len = keys.size(2);
+  at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(double(head_dim));
+  const at::TensorOptions position_options = q.options().dtype(at::kLong);
+  at::Tensor query_pos = sequence_positions(seq_len, group, options, position_options);
+  at::Tensor key_pos = at::arange(seq_len, position_options);
+  at::Tensor future = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);  // [T_local, T]
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  // Softmax in fp32: bf16 scores lose the small probabilities.
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(v.scalar_type());
+  return at::matmul(probs, values);
+}
+
+}  // namespace hp
