@@ -63,8 +63,7 @@ struct MoETransformerConfig {
 struct MoEDecoderBlockImpl : torch::nn::Module {
   MoEDecoderBlockImpl(const MoETransformerConfig& config, bool moe_ffn, GroupPtr ep_group)
       : attn_norm(register_module("attn_norm", RMSNorm(config.transformer.dim))),
-        attn(register_module("attn",
-                             Attention(config.transformer.dim, config.transformer.heads))),
+        attn(register_module("attn", Attention(config.transformer.dim, config.transformer.heads))),
         mlp_norm(register_module("mlp_norm", RMSNorm(config.transformer.dim))) {
     if (moe_ffn) {
       moe = register_module("moe", MoE(config.moe_options(), std::move(ep_group)));
@@ -91,17 +90,22 @@ TORCH_MODULE(MoEDecoderBlock);
 inline void init_moe_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
   torch::NoGradGuard no_grad;
   const double residual_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(layers, 1));
-  for (const auto& module : decoder.named_modules()) {
-    if (auto* experts = module.value()->as<ExpertsImpl>()) {
+  auto init_own_parameters = [&](const std::string& prefix, torch::nn::Module& module) {
+    if (auto* experts = module.as<ExpertsImpl>()) {
       experts->init_normal(0.02, residual_std);  // w2 is the residual output
-      continue;
+      return;
     }
-    for (auto& param : module.value()->named_parameters(/*recurse=*/false)) {
+    for (auto& param : module.named_parameters(/*recurse=*/false)) {
       if (param.value().dim() < 2) continue;
-      const std::string name = module.key() + "." + param.key();
+      const std::string name = prefix + param.key();
       const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
       param.value().normal_(0.0, residual_out ? residual_std : 0.02);
     }
+  };
+  // Without the decoder itself in named_modules: it may still be under construction.
+  init_own_parameters("", decoder);
+  for (const auto& module : decoder.named_modules("", /*include_self=*/false)) {
+    init_own_parameters(module.key() + ".", *module.value());
   }
 }
 

@@ -98,9 +98,10 @@ void MoEOptions::validate() const {
   require(!capacity_factor || *capacity_factor > 0,
           "MoEOptions: capacity_factor must be positive (or unset for no capacity limit), got " +
               std::to_string(capacity_factor.value_or(0)));
-  require(load_balance_coef >= 0, "MoEOptions: load_balance_coef must be >= 0 (0: no auxiliary "
-                                  "loss), got " +
-                                      std::to_string(load_balance_coef));
+  require(load_balance_coef >= 0,
+          "MoEOptions: load_balance_coef must be >= 0 (0: no auxiliary "
+          "loss), got " +
+              std::to_string(load_balance_coef));
 }
 
 ExpertsImpl::ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, int64_t ep_size,
@@ -125,9 +126,9 @@ ExpertsImpl::ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, int64
 at::Tensor ExpertsImpl::forward(const at::Tensor& tokens,
                                 const std::vector<int64_t>& tokens_per_expert) {
   const int64_t dim = w1.size(2);
-  require(tokens.dim() == 2 && tokens.size(1) == dim,
-          "Experts: tokens must be [rows, " + std::to_string(dim) + "], got " +
-              c10::str(tokens.sizes()));
+  require(tokens.dim() == 2 && tokens.size(1) == dim, "Experts: tokens must be [rows, " +
+                                                          std::to_string(dim) + "], got " +
+                                                          c10::str(tokens.sizes()));
   require(static_cast<int64_t>(tokens_per_expert.size()) == local_experts &&
               sum_of(tokens_per_expert.data(), local_experts) == tokens.size(0),
           "Experts: tokens_per_expert needs one count per local expert (" +
@@ -150,8 +151,8 @@ void ExpertsImpl::init_normal(double in_std, double out_std) {
   auto refill = [&](at::Tensor& weight, double std) {
     std::vector<int64_t> shape = weight.sizes().vec();
     shape[0] = num_experts;
-    weight.copy_(at::empty(shape, weight.options()).normal_(0, std).narrow(0, first_expert,
-                                                                           local_experts));
+    weight.copy_(
+        at::empty(shape, weight.options()).normal_(0, std).narrow(0, first_expert, local_experts));
   };
   refill(w1, in_std);
   refill(w3, in_std);
@@ -201,19 +202,21 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
         std::ceil(*options.capacity_factor * static_cast<double>(tokens * k) / num_experts));
     // A slot's position among its expert's slots, in token order: keep the first ones.
     const at::Tensor first_slot_of_expert = routed.cumsum(0) - routed;
-    const at::Tensor position = at::arange(tokens * k, order.options()) -
-                                first_slot_of_expert.index_select(0, slot_experts.index_select(0, order));
+    const at::Tensor position =
+        at::arange(tokens * k, order.options()) -
+        first_slot_of_expert.index_select(0, slot_experts.index_select(0, order));
     order = order.masked_select(position < capacity);
     kept = routed.clamp_max(capacity);
   }
-  routing_counts_.routed = std::vector<int64_t>(routed.data_ptr<int64_t>(),
-                                                routed.data_ptr<int64_t>() + num_experts);
+  routing_counts_.routed =
+      std::vector<int64_t>(routed.data_ptr<int64_t>(), routed.data_ptr<int64_t>() + num_experts);
   routing_counts_.kept =
       std::vector<int64_t>(kept.data_ptr<int64_t>(), kept.data_ptr<int64_t>() + num_experts);
 
   const at::Tensor token_of_slot = order.div(k, "floor");
   const at::Tensor expert_out = run_experts(x.index_select(0, token_of_slot), kept);
-  const at::Tensor gate_of_slot = gates.reshape(-1).index_select(0, order).to(expert_out.scalar_type());
+  const at::Tensor gate_of_slot =
+      gates.reshape(-1).index_select(0, order).to(expert_out.scalar_type());
   // Each token's kept slots summed, in expert order (deterministic on CPU).
   const at::Tensor out =
       at::zeros_like(x).index_add(0, token_of_slot, expert_out * gate_of_slot.unsqueeze(1));
@@ -228,8 +231,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
 at::Tensor MoEImpl::run_experts(const at::Tensor& tokens, const at::Tensor& kept) {
   const int64_t local = experts->local_experts;
   if (!ep_group || ep_group->size() == 1) {
-    return experts(tokens, std::vector<int64_t>(kept.data_ptr<int64_t>(),
-                                                kept.data_ptr<int64_t>() + local));
+    return experts(
+        tokens, std::vector<int64_t>(kept.data_ptr<int64_t>(), kept.data_ptr<int64_t>() + local));
   }
   const int64_t ep = ep_group->size();
   // How many rows each rank sends to each of this rank's experts: [source, local expert].
