@@ -67,6 +67,12 @@ int64_t sum_of(const int64_t* values, int64_t count) {
   return std::accumulate(values, values + count, int64_t{0});
 }
 
+// The counts of a 1-D int64 tensor, read on the host (the tensor may live on a device).
+std::vector<int64_t> to_vector(const at::Tensor& counts) {
+  const at::Tensor host = counts.cpu().contiguous();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+}
+
 void require_experts_divide(const std::string& who, int64_t num_experts, int64_t ep_size) {
   require(num_experts % ep_size == 0,
           who + ": num_experts (" + std::to_string(num_experts) +
@@ -208,10 +214,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
     order = order.masked_select(position < capacity);
     kept = routed.clamp_max(capacity);
   }
-  routing_counts_.routed =
-      std::vector<int64_t>(routed.data_ptr<int64_t>(), routed.data_ptr<int64_t>() + num_experts);
-  routing_counts_.kept =
-      std::vector<int64_t>(kept.data_ptr<int64_t>(), kept.data_ptr<int64_t>() + num_experts);
+  routing_counts_.routed = to_vector(routed);
+  routing_counts_.kept = to_vector(kept);
 
   const at::Tensor token_of_slot = order.div(k, "floor");
   const at::Tensor expert_out = run_experts(x.index_select(0, token_of_slot), kept);
@@ -230,16 +234,14 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
 
 at::Tensor MoEImpl::run_experts(const at::Tensor& tokens, const at::Tensor& kept) {
   const int64_t local = experts->local_experts;
-  if (!ep_group || ep_group->size() == 1) {
-    return experts(
-        tokens, std::vector<int64_t>(kept.data_ptr<int64_t>(), kept.data_ptr<int64_t>() + local));
-  }
+  if (!ep_group || ep_group->size() == 1) return experts(tokens, to_vector(kept));
   const int64_t ep = ep_group->size();
   // How many rows each rank sends to each of this rank's experts: [source, local expert].
   at::Tensor incoming = at::empty_like(kept);
   all_to_all(incoming, kept.contiguous(), *ep_group).wait();
-  const int64_t* sent = kept.data_ptr<int64_t>();
-  const int64_t* received = incoming.data_ptr<int64_t>();
+  const std::vector<int64_t> sent_counts = to_vector(kept), received_counts = to_vector(incoming);
+  const int64_t* sent = sent_counts.data();
+  const int64_t* received = received_counts.data();
   std::vector<int64_t> input_splits(ep), output_splits(ep);
   for (int64_t r = 0; r < ep; ++r) {
     input_splits[r] = sum_of(sent + r * local, local);
