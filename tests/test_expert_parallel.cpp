@@ -227,8 +227,8 @@ TEST(MoELayer, BadOptionsAreNamed) {
 // ---------------------------------------------------------------------------------------
 // Several ranks.
 
-// out (this rank's [L, ...] slice of a stacked expert tensor) gathered over the ep group
-// into the whole [E, ...]: ep rank r holds experts [r L, (r + 1) L).
+// This rank's [L, ...] slice of a stacked expert tensor gathered over the ep group into
+// the whole [E, ...]: ep rank r holds experts [r L, (r + 1) L).
 at::Tensor gather_over_ep(const at::Tensor& local, const Group& ep) {
   std::vector<int64_t> shape = local.sizes().vec();
   shape[0] *= ep.size();
@@ -310,14 +310,12 @@ ShardedMoE shard_moe_transformer(Sharded<MoETransformer>& model, const EpLayout&
   return parts;
 }
 
-// Whole gradients (or parameters) by the reference's names; experts gathered over ep.
-std::map<std::string, at::Tensor> gather_whole(const ShardedMoE& parts, const Group& ep,
-                                               bool grads) {
-  auto whole = grads ? testing::full_grads(parts.dense) : testing::full_params(parts.dense);
+// Whole gradients by the reference's names; the experts' gathered over ep.
+std::map<std::string, at::Tensor> whole_grads(const ShardedMoE& parts, const Group& ep) {
+  auto whole = testing::full_grads(parts.dense);
   for (const auto& [prefix, module] : parts.experts) {
     for (const auto& info : module.sharded_params()) {
-      at::Tensor local = grads ? module.full_grad(info.name) : module.full_tensor(info.name);
-      whole[prefix + info.name] = gather_over_ep(local, ep);
+      whole[prefix + info.name] = gather_over_ep(module.full_grad(info.name), ep);
     }
   }
   return whole;
@@ -327,7 +325,7 @@ bool is_expert_weight(const std::string& name) {
   return name.find(".experts.w") != std::string::npos;
 }
 
-// "layers.<i>.moe.experts.<e>" -> norm of expert e's gradients (w1, w2, w3 together).
+// "layers.<i>.moe.experts.<e>" -> expert e's gradients (w1, w2, w3) as one flat tensor.
 std::map<std::string, at::Tensor> per_expert_grads(const std::map<std::string, at::Tensor>& grads) {
   std::map<std::string, std::vector<at::Tensor>> pieces;
   for (const auto& [name, grad] : grads) {
@@ -424,7 +422,7 @@ std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
         testing::local_batch(target, world->rank(), world->size()));
     loss.backward();
     const double mean_loss = testing::mean_over_ranks(loss).item<double>();
-    auto grads = gather_whole(parts, *layout.ep, /*grads=*/true);
+    auto grads = whole_grads(parts, *layout.ep);
     results.push_back({static_cast<float>(mean_loss), static_cast<float>(testing::norm_of(grads))});
     if (check_reference) {
       ref_opt->zero_grad();
