@@ -181,12 +181,12 @@ inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
     const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
     const double stddev = residual_out ? residual_std : 0.02;
     // A tensor-parallel slice: drawn whole, as the single-process model draws it.
-    if (auto placement = hp::tensor_parallel_placement(param)) {
+    if (auto slice = hp::parallel_slice_of(param)) {
       std::vector<int64_t> whole_shape = param.sizes().vec();
-      whole_shape[placement->dim] *= placement->group->size();
+      whole_shape[slice->dim] *= slice->group->size();
       at::Tensor whole = torch::empty(whole_shape, param.options()).normal_(0.0, stddev);
-      const int64_t part = param.size(placement->dim);
-      param.copy_(whole.narrow(placement->dim, placement->group->rank() * part, part));
+      const int64_t part = param.size(slice->dim);
+      param.copy_(whole.narrow(slice->dim, slice->group->rank() * part, part));
     } else {
       param.normal_(0.0, stddev);
     }

@@ -18,8 +18,10 @@
 #include "distributed_test.h"
 #include "error_of.h"
 #include "fsdp_test_util.h"
+#include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/expert_parallel.h"
+#include "hyperparallel/state_dict.h"
 #include "models/moe.h"
 
 namespace hp {
@@ -217,11 +219,6 @@ TEST(MoELayer, BadOptionsAreNamed) {
   MoE moe(small_options());
   const std::string shape = error_of<std::invalid_argument>([&] { moe(torch::randn({3, 7})); });
   EXPECT_NE(shape.find("last dim must be dim = 8, got shape [3, 7]"), std::string::npos) << shape;
-
-  const std::string split = error_of<std::invalid_argument>([] { Experts(8, 16, 3, 2, 0); });
-  EXPECT_NE(split.find("num_experts (3) is not divisible by the expert-parallel group size (2)"),
-            std::string::npos)
-      << split;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -279,6 +276,11 @@ HP_DIST_TEST(ExpertParallel, NumExpertsNotDivisibleByEpSizeIsNamed, 2) {
   EXPECT_NE(message.find("use a multiple of 2 experts or an ep group whose size divides 3"),
             std::string::npos)
       << message;
+  const std::string split =
+      error_of<std::invalid_argument>([] { Experts(8, 16, 3, testing::world()->world_group()); });
+  EXPECT_NE(split.find("num_experts (3) is not divisible by the expert-parallel group size (2)"),
+            std::string::npos)
+      << split;
 }
 
 // Where the experts and the dense parameters are sharded.
@@ -311,11 +313,11 @@ ShardedMoE shard_moe_transformer(Sharded<MoETransformer>& model, const EpLayout&
 }
 
 // Whole gradients by the reference's names; the experts' gathered over ep.
-std::map<std::string, at::Tensor> whole_grads(const ShardedMoE& parts, const Group& ep) {
+std::map<std::string, at::Tensor> whole_grads(const ShardedMoE& parts) {
   auto whole = testing::full_grads(parts.dense);
   for (const auto& [prefix, module] : parts.experts) {
     for (const auto& info : module.sharded_params()) {
-      whole[prefix + info.name] = gather_over_ep(module.full_grad(info.name), ep);
+      whole[prefix + info.name] = module.full_grad(info.name);  // every expert (a slice)
     }
   }
   return whole;
@@ -406,6 +408,12 @@ std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
   torch::manual_seed(42);
   Sharded<MoETransformer> model(config, layout.ep);
   ShardedMoE parts = shard_moe_transformer(model, layout);
+  if (check_reference) {
+    // The full state dict holds every expert, named as in the single-process model.
+    std::map<std::string, at::Tensor> full;
+    for (const auto& item : get_full_state_dict(*model)) full[item.key()] = item.value();
+    testing::expect_all_close(full, testing::reference_params(*reference), 0.0, "state dict");
+  }
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   std::optional<torch::optim::AdamW> ref_opt;
   if (check_reference) ref_opt.emplace(reference->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -422,7 +430,7 @@ std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
         testing::local_batch(target, world->rank(), world->size()));
     loss.backward();
     const double mean_loss = testing::mean_over_ranks(loss).item<double>();
-    auto grads = whole_grads(parts, *layout.ep);
+    auto grads = whole_grads(parts);
     results.push_back({static_cast<float>(mean_loss), static_cast<float>(testing::norm_of(grads))});
     if (check_reference) {
       ref_opt->zero_grad();
@@ -457,6 +465,10 @@ std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
         largest.grad = grad_diff;
         largest.grad_name = where + " (step " + std::to_string(step) + ")";
       }
+      // Each expert counted once (summed over ep), the dense shards over dp_shard x ep.
+      const double clip_norm = clip_grad_norm_(model->parameters(), 1e9);
+      EXPECT_NEAR(clip_norm, torch::nn::utils::clip_grad_norm_(reference->parameters(), 1e9), tol)
+          << "clip_grad_norm_";
       ref_opt->step();
     }
     opt.step();
@@ -464,12 +476,29 @@ std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
   return results;
 }
 
+// Experts left to an ancestor's fully_shard over the ranks that hold other experts would
+// mix different tensors: refused, naming the parameter and the fix.
+HP_DIST_TEST(ExpertParallel, ShardingExpertsOverTheirEpRanksIsRefused, 4) {
+  DeviceMesh mesh(testing::world(), {{"dp_shard", 2}, {"ep", 2}});
+  mesh.flatten({"dp_shard", "ep"}, "dp_shard_ep");
+  Sharded<MoE> model(small_options(), mesh.group("ep"));
+  const std::string message = error_of<std::invalid_argument>(
+      [&] { fully_shard(model, {.mesh = mesh.slice({"dp_shard_ep"})}); });
+  EXPECT_NE(message.find("parameter 'experts.w1' is a parallel slice over group"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("shard it over the data-parallel dims orthogonal to that group"),
+            std::string::npos)
+      << message;
+}
+
 // L2-10: 4 ranks as {dp_shard 2, ep 2}; both layers MoE.
 HP_DIST_TEST(ExpertParallel, L2_10_TwoEpTimesTwoFsdpMatchesSingleProcess, 4) {
   auto world = testing::world();
   DeviceMesh mesh(world, {{"dp_shard", 2}, {"ep", 2}});
+  mesh.flatten({"dp_shard", "ep"}, "dp_shard_ep");
   EpLayout layout{.experts_mesh = mesh.slice({"dp_shard"}),
-                  .dense_mesh = DeviceMesh(world, {{"dp", 4}}),
+                  .dense_mesh = mesh.slice({"dp_shard_ep"}),
                   .ep = mesh.group("ep"),
                   .data_ranks = 4};
   MoETransformerConfig config{
@@ -491,8 +520,9 @@ HP_DIST_TEST_WITH_TIMEOUT(ExpertParallel, L3_03_MoeDecoderOnDpShardEpMeshMatches
                           4) {
   auto world = testing::world();
   DeviceMesh mesh(world, {{"dp_replicate", 1}, {"dp_shard", 2}, {"ep", 2}});
+  mesh.flatten({"dp_shard", "ep"}, "dp_shard_ep");
   EpLayout layout{.experts_mesh = mesh.slice({"dp_replicate", "dp_shard"}),
-                  .dense_mesh = DeviceMesh(world, {{"dp_replicate", 1}, {"dp_shard_ep", 4}}),
+                  .dense_mesh = mesh.slice({"dp_replicate", "dp_shard_ep"}),
                   .ep = mesh.group("ep"),
                   .data_ranks = 4};
   MoETransformerConfig config{
@@ -543,7 +573,8 @@ HP_DIST_TEST(ExpertParallel, UnevenRoutingWithCapacityAndAuxLossMatchesReference
   force_routing(model);
   FSDPModule experts = fully_shard(model->experts, {.mesh = mesh.slice({"dp_shard"})});
   experts.set_gradient_divide_factor(4);
-  FSDPModule root = fully_shard(model, {.mesh = DeviceMesh(world, {{"dp", 4}})});
+  mesh.flatten({"dp_shard", "ep"}, "dp_shard_ep");
+  FSDPModule root = fully_shard(model, {.mesh = mesh.slice({"dp_shard_ep"})});
 
   const std::vector<std::vector<std::pair<int64_t, int64_t>>> preferred = {
       {{0, 1}}, {{0, 1}}, {{0, 2}, {1, 3}}, {{2, 3}}};
@@ -587,7 +618,7 @@ HP_DIST_TEST(ExpertParallel, UnevenRoutingWithCapacityAndAuxLossMatchesReference
 
     std::map<std::string, at::Tensor> grads{{"router.weight", root.full_grad("router.weight")}};
     for (const char* w : {"w1", "w2", "w3"}) {
-      grads[std::string("experts.") + w] = gather_over_ep(experts.full_grad(w), *mesh.group("ep"));
+      grads[std::string("experts.") + w] = experts.full_grad(w);  // all experts (a slice)
     }
     std::string where;
     const double grad_diff = max_difference(grads, testing::reference_grads(*reference), where);

@@ -28,8 +28,8 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
 
 // The whole gradient of a tensor-parallel layer's parameter (itself when not a slice).
 at::Tensor whole_grad(const at::Tensor& param) {
-  auto placement = tensor_parallel_placement(param);
-  return placement ? tensor_parallel_full_tensor(param.grad(), *placement) : param.grad();
+  auto slice = parallel_slice_of(param);
+  return slice ? join_parallel_slices(param.grad(), *slice) : param.grad();
 }
 
 TEST(TensorParallel, WithoutAGroupTheLayersArePlainLibTorch) {
@@ -51,7 +51,7 @@ TEST(TensorParallel, WithoutAGroupTheLayersArePlainLibTorch) {
   EXPECT_TRUE(torch::equal(row(x), linear(x)));
   at::Tensor tokens = torch::randint(16, {2, 5});
   EXPECT_TRUE(torch::equal(vocab(tokens), embedding(tokens)));
-  EXPECT_FALSE(tensor_parallel_placement(column->weight).has_value());
+  EXPECT_FALSE(parallel_slice_of(column->weight).has_value());
   at::Tensor logits = torch::randn({6, 16}), target = torch::randint(16, {6});
   EXPECT_TRUE(torch::equal(vocab_parallel_cross_entropy(logits, target, nullptr),
                            torch::nn::functional::cross_entropy(logits, target)));
@@ -114,8 +114,8 @@ HP_DIST_TEST(TensorParallel, LayersMatchTheirPlainCounterparts, 2, 4) {
   EXPECT_LE(max_diff(whole_grad(gathered->weight), gathered_ref->weight.grad()), 1e-6);
   EXPECT_LE(max_diff(whole_grad(split->weight), split_ref->weight.grad()), 1e-6);
   EXPECT_LE(max_diff(whole_grad(embedding->weight), embedding_ref->weight.grad()), 1e-6);
-  EXPECT_FALSE(tensor_parallel_placement(row->bias).has_value());
-  EXPECT_EQ(tensor_parallel_placement(row->weight)->dim, 1);
+  EXPECT_FALSE(parallel_slice_of(row->bias).has_value());
+  EXPECT_EQ(parallel_slice_of(row->weight)->dim, 1);
 }
 
 HP_DIST_TEST(TensorParallel, SizesThatDoNotSplitAreExplained, 2) {
@@ -142,6 +142,12 @@ HP_DIST_TEST(TensorParallel, SizesThatDoNotSplitAreExplained, 2) {
   EXPECT_NE(testing::error_of([&] {
               vocab_parallel_cross_entropy(torch::zeros({2, 4}), torch::tensor({0, 8}), tp);
             }).find("target ids must lie in [0, 8)"),
+            std::string::npos);
+  // fully_shard over the tensor-parallel ranks themselves would mix different slices.
+  Sharded<Transformer> model(TransformerConfig{.dim = 32, .tensor_parallel = tp});
+  EXPECT_NE(testing::error_of([&] {
+              fully_shard(model->layers[0]);
+            }).find("parameter 'attn.wq.weight' is a parallel slice over group 'world'"),
             std::string::npos);
 }
 

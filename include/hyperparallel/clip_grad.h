@@ -21,9 +21,9 @@ namespace hp {
 // - not managed by fully_shard (plain or ignored parameters): this rank's gradient,
 //   taken to be equal on every rank like a replicated one (as PyTorch does for plain
 //   tensors).
-// A tensor-parallel slice (tensor_parallel_placement.h) is summed over its
-// tensor-parallel group on top; parameters that are not slices are the same on every
-// rank of that group and counted once.
+// A parallel slice (parallel_slice.h: tensor-parallel layers, experts) is summed over its
+// slice group on top; parameters that are not slices are the same on every rank of that
+// group and counted once.
 // norm_type: p > 0, or infinity for the max norm. Scales the gradients in place by
 // max_norm / (norm + 1e-6) when that is below 1 and returns the norm before clipping.
 // error_if_nonfinite: throw instead of scaling when the norm is NaN or infinite.

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/process_group.h"
 
 namespace hp {
@@ -76,12 +77,12 @@ struct MoEOptions {
 // as one parameter, shaped like the Linear weights: w1, w3 [local, hidden, dim], w2
 // [local, dim, hidden].
 struct ExpertsImpl : torch::nn::Module {
-  // ep_rank of ep_size ranks holds experts [ep_rank * E / ep_size, (ep_rank + 1) * E /
-  // ep_size). Initialized like Linear (uniform +-1/sqrt(fan_in)), drawn for all
+  // Group rank r of `ep_group` (null: all experts local) holds experts [r * E / ep,
+  // (r + 1) * E / ep), its weights declared as slices of the whole [E, ...] tensors
+  // (parallel_slice.h). Initialized like Linear (uniform +-1/sqrt(fan_in)), drawn for all
   // num_experts and sliced (see init_normal): the same seed gives every ep size the same
   // experts.
-  ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, int64_t ep_size = 1,
-              int64_t ep_rank = 0);
+  ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, const GroupPtr& ep_group = nullptr);
 
   // tokens [sum(tokens_per_expert), dim]: the rows of local expert 0, then of local
   // expert 1, ...; returns their outputs in the same order.

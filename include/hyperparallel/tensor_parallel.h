@@ -20,10 +20,10 @@
 //
 // fully_shard composes: shard a tensor-parallel module over the data-parallel dims of
 // the mesh (e.g. mesh.slice({"dp_shard"})); each rank's shard is then a slice of its
-// tensor-parallel slice (a 2-D placement). full state dicts, clip_grad_norm_ and
-// tensor_parallel_full_tensor account for the tensor-parallel split; parameters the
+// tensor-parallel slice (a 2-D placement). Full state dicts, clip_grad_norm_ and
+// FSDPModule::full_tensor account for the tensor-parallel split; parameters the
 // layers do not split (norms, RowParallelLinear's bias) are replicated over the group.
-// Each layer declares its slices (tensor_parallel_placement.h).
+// Each layer declares its slices (parallel_slice.h).
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -31,8 +31,8 @@
 
 #include <cstdint>
 
+#include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/process_group.h"
-#include "hyperparallel/tensor_parallel_placement.h"
 
 namespace hp {
 

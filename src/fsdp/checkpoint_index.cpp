@@ -38,6 +38,22 @@ bool overlap(const CheckpointPiece& a, const CheckpointPiece& b) {
   return true;
 }
 
+// Whether `piece` is a part `tensor` has already (ranks that hold the same values write
+// the same piece: the first file's is kept). Throws when the copies differ.
+bool is_copy_of_indexed(const std::string& name, const IndexedTensor& tensor,
+                        const CheckpointPiece& piece) {
+  for (const auto& indexed : tensor.pieces) {
+    if (indexed.offsets != piece.offsets || indexed.shape != piece.shape) continue;
+    if (indexed.crc32 != piece.crc32) {
+      throw std::runtime_error("tensor '" + name + "': " + indexed.file + " and " + piece.file +
+                               " hold the same part with different values (replicas that "
+                               "diverged)");
+    }
+    return true;
+  }
+  return false;
+}
+
 void check_covers(const std::string& name, const IndexedTensor& tensor) {
   int64_t covered = 0;
   for (size_t i = 0; i < tensor.pieces.size(); ++i) {
@@ -90,8 +106,11 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
           throw std::runtime_error("tensor '" + name + "' has another dtype or whole shape in " +
                                    file + " than in the files before");
         }
-        found->second.pieces.push_back({file, record.at("offsets").get<std::vector<int64_t>>(),
-                                        entry.shape, record.at("crc32").get<std::string>()});
+        CheckpointPiece piece{file, record.at("offsets").get<std::vector<int64_t>>(), entry.shape,
+                              record.at("crc32").get<std::string>()};
+        if (!is_copy_of_indexed(name, found->second, piece)) {
+          found->second.pieces.push_back(std::move(piece));
+        }
       }
     } catch (const json::exception& error) {
       throw std::runtime_error(reader.path() + ": its piece records are malformed (" +

@@ -10,20 +10,20 @@
 
 #include "fsdp_state.h"
 #include "hyperparallel/collectives.h"
-#include "hyperparallel/tensor_parallel_placement.h"
+#include "hyperparallel/parallel_slice.h"
 #include "state_registry.h"
 
 namespace hp {
 namespace {
 
 // One parameter's gradient as this rank holds it. `shard_group`: the ranks holding the
-// other shards of it; null when this rank holds all of it. `tensor_parallel_group`: the
-// ranks holding its other tensor-parallel slices; null when it is not a slice (then it is
-// counted once, as every rank of a tensor-parallel group holds the same).
+// other shards of it; null when this rank holds all of it. `slice_group`: the
+// ranks holding its other parallel slices; null when it is not a slice (then it is
+// counted once, as every rank of a slice's group holds the same).
 struct GradPart {
   at::Tensor grad;  // undefined: no gradient (the rank still joins its groups' sums)
   const Group* shard_group = nullptr;
-  const Group* tensor_parallel_group = nullptr;
+  const Group* slice_group = nullptr;
 };
 
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
@@ -47,8 +47,8 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
     } else {
       continue;
     }
-    if (auto placement = tensor_parallel_placement(param)) {
-      part.tensor_parallel_group = placement->group.get();
+    if (auto slice = parallel_slice_of(param)) {
+      part.slice_group = slice->group.get();
     }
     parts.push_back(part);
   }
@@ -97,16 +97,16 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   // Whole gradients count as they are; shards and slices are combined over their groups
   // first, one collective per group, in the order the groups first appear (the same on
   // all ranks).
-  using Groups = std::pair<const Group*, const Group*>;  // shard, tensor-parallel
+  using Groups = std::pair<const Group*, const Group*>;  // shard, slice
   std::vector<at::Tensor> whole;
   std::vector<Groups> order;
   std::map<Groups, std::vector<at::Tensor>> split;
   for (const GradPart& part : parts) {
-    if (!part.shard_group && !part.tensor_parallel_group) {
+    if (!part.shard_group && !part.slice_group) {
       whole.push_back(part.grad);
       continue;
     }
-    const Groups groups{part.shard_group, part.tensor_parallel_group};
+    const Groups groups{part.shard_group, part.slice_group};
     if (!split.count(groups)) order.push_back(groups);
     // The entry exists even without gradients: this rank still joins the groups' sums.
     std::vector<at::Tensor>& grads = split[groups];

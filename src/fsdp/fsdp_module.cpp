@@ -7,7 +7,7 @@
 
 #include "fsdp_state.h"
 #include "hyperparallel/fully_shard.h"
-#include "hyperparallel/tensor_parallel_placement.h"
+#include "hyperparallel/parallel_slice.h"
 
 namespace hp {
 namespace {
@@ -31,10 +31,10 @@ std::string known_names(detail::FSDPState& state) {
   return names;
 }
 
-// The whole tensor of `value` when `variable` is a tensor-parallel slice (its group joins).
-at::Tensor join_tensor_parallel(const at::Tensor& variable, const at::Tensor& value) {
-  const auto placement = tensor_parallel_placement(variable);
-  return placement && value.defined() ? tensor_parallel_full_tensor(value, *placement) : value;
+// The whole tensor of `value` when `variable` is a parallel slice (its group joins).
+at::Tensor whole_of(const at::Tensor& variable, const at::Tensor& value) {
+  const auto slice = parallel_slice_of(variable);
+  return slice && value.defined() ? join_parallel_slices(value, *slice) : value;
 }
 
 }  // namespace
@@ -110,11 +110,11 @@ std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
 at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   c10::NoGradGuard no_grad;
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) {
-    return join_tensor_parallel(
-        p->variable(), detail::gather_whole(*p, p->padded_shard(), *state_->group().comm().shard));
+    return whole_of(p->variable(),
+                    detail::gather_whole(*p, p->padded_shard(), *state_->group().comm().shard));
   }
   for (const auto& r : state_->group().replicated()) {
-    if (r.name == name) return join_tensor_parallel(r.variable, r.variable.detach().clone());
+    if (r.name == name) return whole_of(r.variable, r.variable.detach().clone());
   }
   throw std::invalid_argument("no parameter '" + name +
                               "' in this fully_shard-ed module (it has: " + known_names(*state_) +
@@ -129,15 +129,13 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
     all_reduce(has_grad, ReduceOp::kMin, *state_->group().comm().shard).wait();
     if (has_grad.item<float>() == 0.0f) return {};
-    return join_tensor_parallel(p->variable(),
-                                detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()),
-                                                     *state_->group().comm().shard));
+    return whole_of(p->variable(), detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()),
+                                                        *state_->group().comm().shard));
   }
   for (const auto& r : state_->group().replicated()) {
     if (r.name == name) {
-      return r.variable.grad().defined()
-                 ? join_tensor_parallel(r.variable, r.variable.grad().clone())
-                 : at::Tensor();
+      return r.variable.grad().defined() ? whole_of(r.variable, r.variable.grad().clone())
+                                         : at::Tensor();
     }
   }
   throw std::invalid_argument("no parameter '" + name +

@@ -35,10 +35,10 @@ FullTensorSource source_of(TorchSaveReader& reader) {
 
 at::Tensor read_local_part(const FullTensorSource& source, const std::string& name,
                            const ModelParam& param) {
-  if (!param.shard) return tensor_parallel_slice(param, source.read(name));
+  if (!param.shard) return slice_of_whole(param, source.read(name));
   const ShardLayout& layout = param.shard->param->layout();
-  if (param.tensor_parallel) {  // the shard is a part of this rank's slice
-    return tensor_parallel_slice(param, source.read(name))
+  if (param.parallel_slice) {  // the shard is a part of this rank's slice
+    return slice_of_whole(param, source.read(name))
         .narrow(layout.dim, layout.start(), layout.local);
   }
   if (source.read_part) return source.read_part(name, layout.dim, layout.start(), layout.local);

@@ -4,11 +4,13 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <set>
 #include <stdexcept>
 
 #include "fsdp_param.h"
 #include "fsdp_state.h"
+#include "hyperparallel/parallel_slice.h"
 #include "param_group.h"
 #include "state_registry.h"
 
@@ -170,6 +172,25 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   }
   const auto ignored = check_belongs(options.ignored_params, "ignored_params");
   const auto replicated = check_belongs(options.replicate_params, "replicate_params");
+  // A parallel slice differs across the ranks of its group: sharding or reducing it over
+  // two of them would mix different tensors.
+  for (const auto& [name, param] : candidates) {
+    if (taken.count(key(param)) || ignored.count(key(param))) continue;
+    const std::optional<ParallelSlice> slice = parallel_slice_of(param);
+    if (!slice) continue;
+    const std::vector<int64_t>& holders = slice->group->ranks();
+    const auto shared = std::count_if(
+        comm.data_parallel->ranks().begin(), comm.data_parallel->ranks().end(),
+        [&](int64_t r) { return std::find(holders.begin(), holders.end(), r) != holders.end(); });
+    if (shared > 1) {
+      throw std::invalid_argument(
+          "parameter '" + name + "' is a parallel slice over group '" + slice->group->name() +
+          "', and " + std::to_string(shared) +
+          " ranks of that group, holding different slices, are in the mesh given to "
+          "fully_shard; shard it over the data-parallel dims orthogonal to that group (e.g. "
+          "mesh.slice({\"dp_shard\"})), fully_shard-ing the module that owns it first");
+    }
+  }
 
   detail::ParamPolicy policy;
   policy.param_dtype = options.mp_policy.param_dtype;

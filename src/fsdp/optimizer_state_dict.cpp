@@ -129,8 +129,8 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
                                          p.shard->param->pad_local(local, local.scalar_type()),
                                          *p.shard->comm->shard)
                   : local;
-      const at::Tensor whole = detail::join_tensor_parallel(p, slice);
-      const bool fresh = p.shard.has_value() || p.tensor_parallel.has_value();
+      const at::Tensor whole = detail::whole_of(p, slice);
+      const bool fresh = p.shard.has_value() || p.parallel_slice.has_value();
       visit(p.name + "." + field, whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!fresh));
     }
   }

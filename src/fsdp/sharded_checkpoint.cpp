@@ -49,7 +49,7 @@ std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
     if (p.shard) return p.shard->comm->world;
   }
   for (const auto& p : params) {
-    if (p.tensor_parallel) {
+    if (p.parallel_slice) {
       throw std::invalid_argument(
           caller + ": '" + p.name +
           "' is a tensor-parallel slice of a model that fully_shard does not manage, so the "
@@ -105,53 +105,37 @@ struct RankPieces {
   }
 };
 
-// This rank's rank in the model's tensor-parallel group (0 without one): parameters that
-// are not slices are alike on all its ranks, and only its rank 0 writes them.
-int64_t tensor_parallel_rank(const std::vector<detail::ModelParam>& params) {
-  for (const auto& p : params) {
-    if (p.tensor_parallel) return p.tensor_parallel->group->rank();
-  }
-  return 0;
-}
-
-// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0; of a
-// parameter that is not a tensor-parallel slice: tensor-parallel rank 0), and on rank 0
-// everything kept whole (a tensor-parallel slice kept whole: the ranks of rank 0's
-// tensor-parallel group, one slice each).
+// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0) and
+// on rank 0 everything kept whole. Pieces several ranks hold alike (a parameter that is
+// not a parallel slice, on every rank of a tensor-parallel group) are indexed once.
 RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::nn::Module& model,
                           torch::optim::Optimizer* optimizer, const StateDict& extra,
                           bool is_rank0) {
   RankPieces pieces;
-  const bool tensor_parallel_rank0 = tensor_parallel_rank(params) == 0;
   for (const auto& p : params) {
     const std::optional<detail::ParamOptimizerState> state =
         optimizer ? detail::optimizer_state_of(*optimizer, p.variable) : std::nullopt;
     const std::string optim_name = kOptimizerPrefix + p.name + ".";
     // Where this rank's slice starts in the whole tensor (zeros: not a slice).
     std::vector<int64_t> slice_offsets(p.whole_shape.size(), 0);
-    if (p.tensor_parallel) {
-      const int64_t dim = p.tensor_parallel->dim;
-      const Group& group = *p.tensor_parallel->group;
+    if (p.parallel_slice) {
+      const Group& group = *p.parallel_slice->group;
+      const int64_t dim = p.parallel_slice->dim;
       slice_offsets[dim] = group.rank() * (p.whole_shape[dim] / group.size());
     }
-    const bool writes_step =
-        p.tensor_parallel ? p.tensor_parallel->group->rank() == 0 : tensor_parallel_rank0;
     if (!p.shard) {
-      const bool writes =
-          p.tensor_parallel ? p.tensor_parallel->group->ranks().front() == 0 : is_rank0;
-      if (!writes) continue;
+      if (!is_rank0 && !p.parallel_slice) continue;
       pieces.add(kModelPrefix + p.name, p.variable, slice_offsets, p.whole_shape);
       if (!state) continue;
       for (const auto& [field, value] : state->fields) {
         pieces.add(optim_name + field, value, slice_offsets, p.whole_shape);
       }
-      if (state->step && writes_step)
+      if (state->step)
         pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
       continue;
     }
     const detail::ShardLayout& layout = p.shard->param->layout();
     if (p.shard->comm->replicate->rank() != 0) continue;
-    if (!p.tensor_parallel && !tensor_parallel_rank0) continue;
     if (layout.local > 0) {
       std::vector<int64_t> offsets = slice_offsets;
       offsets[layout.dim] += layout.start();
@@ -162,7 +146,7 @@ RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::
         }
       }
     }
-    if (state && state->step && layout.rank == 0 && writes_step) {
+    if (state && state->step && layout.rank == 0) {
       pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
     }
   }

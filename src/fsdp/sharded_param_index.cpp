@@ -30,30 +30,30 @@ std::vector<ModelParam> model_params(torch::nn::Module& model) {
       param.shard = it->second;
       param.whole_shape = it->second.param->layout().global_shape;
     }
-    param.tensor_parallel = tensor_parallel_placement(item.value());
-    if (param.tensor_parallel) {
-      param.whole_shape[param.tensor_parallel->dim] *= param.tensor_parallel->group->size();
+    param.parallel_slice = parallel_slice_of(item.value());
+    if (param.parallel_slice) {
+      param.whole_shape[param.parallel_slice->dim] *= param.parallel_slice->group->size();
     }
     params.push_back(std::move(param));
   }
   return params;
 }
 
-at::Tensor join_tensor_parallel(const ModelParam& p, const at::Tensor& slice) {
-  return p.tensor_parallel ? tensor_parallel_full_tensor(slice, *p.tensor_parallel) : slice;
+at::Tensor whole_of(const ModelParam& p, const at::Tensor& slice) {
+  return p.parallel_slice ? join_parallel_slices(slice, *p.parallel_slice) : slice;
 }
 
-at::Tensor tensor_parallel_slice(const ModelParam& p, const at::Tensor& whole) {
-  if (!p.tensor_parallel) return whole;
-  const Group& group = *p.tensor_parallel->group;
-  const int64_t part = whole.size(p.tensor_parallel->dim) / group.size();
-  return whole.narrow(p.tensor_parallel->dim, group.rank() * part, part);
+at::Tensor slice_of_whole(const ModelParam& p, const at::Tensor& whole) {
+  if (!p.parallel_slice) return whole;
+  const Group& group = *p.parallel_slice->group;
+  const int64_t part = whole.size(p.parallel_slice->dim) / group.size();
+  return whole.narrow(p.parallel_slice->dim, group.rank() * part, part);
 }
 
 bool writes_whole_tensors(torch::nn::Module& model) {
   const std::vector<ModelParam> params = model_params(model);
   for (const ModelParam& p : params) {
-    if (p.tensor_parallel && p.tensor_parallel->group->rank() != 0) return false;
+    if (p.parallel_slice && p.parallel_slice->group->rank() != 0) return false;
   }
   for (const ModelParam& p : params) {
     if (p.shard) return p.shard->comm->data_parallel->rank() == 0;

@@ -40,9 +40,9 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
       const detail::FSDPParam& param = *p.shard->param;
       const at::Tensor slice =
           detail::gather_whole(param, param.padded_shard(), *p.shard->comm->shard);
-      visit(p.name, detail::join_tensor_parallel(p, slice).to(at::kCPU));
+      visit(p.name, detail::whole_of(p, slice).to(at::kCPU));
     } else {
-      visit(p.name, detail::join_tensor_parallel(p, p.variable.detach())
+      visit(p.name, detail::whole_of(p, p.variable.detach())
                         .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
   }

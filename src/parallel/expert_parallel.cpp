@@ -110,23 +110,23 @@ void MoEOptions::validate() const {
               std::to_string(load_balance_coef));
 }
 
-ExpertsImpl::ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, int64_t ep_size,
-                         int64_t ep_rank)
+ExpertsImpl::ExpertsImpl(int64_t dim, int64_t hidden, int64_t num_experts, const GroupPtr& ep_group)
     : num_experts(num_experts) {
   require(dim > 0 && hidden > 0 && num_experts > 0,
           "Experts: dim, hidden and num_experts must be positive");
-  require(ep_size > 0 && ep_rank >= 0 && ep_rank < ep_size,
-          "Experts: ep_rank " + std::to_string(ep_rank) + " is not a rank of " +
-              std::to_string(ep_size));
+  const int64_t ep_size = ep_group ? ep_group->size() : 1;
   require_experts_divide("Experts", num_experts, ep_size);
   local_experts = num_experts / ep_size;
-  first_expert = ep_rank * local_experts;
+  first_expert = (ep_group ? ep_group->rank() : 0) * local_experts;
   w1 = register_parameter(
       "w1", stacked_linear_init(num_experts, hidden, dim, first_expert, local_experts));
   w3 = register_parameter(
       "w3", stacked_linear_init(num_experts, hidden, dim, first_expert, local_experts));
   w2 = register_parameter(
       "w2", stacked_linear_init(num_experts, dim, hidden, first_expert, local_experts));
+  // Slices of the whole [num_experts, ...] tensors: checkpoints and full tensors hold every
+  // expert, clip_grad_norm_ counts each once.
+  for (const at::Tensor& weight : {w1, w3, w2}) declare_parallel_slice(weight, {ep_group, 0});
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& tokens,
@@ -173,8 +173,8 @@ MoEImpl::MoEImpl(const MoEOptions& opts, GroupPtr group)
   router = register_module(
       "router",
       torch::nn::Linear(torch::nn::LinearOptions(options.dim, options.num_experts).bias(false)));
-  experts = Sharded<Experts>(Experts(options.dim, options.expert_hidden, options.num_experts,
-                                     ep_size, ep_group ? ep_group->rank() : 0));
+  experts =
+      Sharded<Experts>(Experts(options.dim, options.expert_hidden, options.num_experts, ep_group));
   register_module("experts", experts.ptr());
   aux_loss_ = at::zeros({}, at::kFloat);
 }

@@ -23,7 +23,7 @@ int64_t size_of(const GroupPtr& group) { return group ? group->size() : 1; }
 int64_t rank_of(const GroupPtr& group) { return group ? group->rank() : 0; }
 
 void record_placement(const at::Tensor& param, const GroupPtr& group, int64_t dim) {
-  if (is_parallel(group)) set_tensor_parallel_placement(param, {group, dim});
+  if (is_parallel(group)) declare_parallel_slice(param, {group, dim});
 }
 
 // This rank's slice of a whole tensor built on every rank (`whole` itself without a group).

@@ -1,4 +1,4 @@
-#include "hyperparallel/tensor_parallel_placement.h"
+#include "hyperparallel/parallel_slice.h"
 
 #include <ATen/ATen.h>
 
@@ -12,11 +12,11 @@
 namespace hp {
 namespace {
 
-// Placements by parameter. The weak reference tells a live parameter from a freed one
+// Slices by parameter. The weak reference tells a live parameter from a freed one
 // whose address was reused.
 struct Entry {
   c10::weak_intrusive_ptr<c10::TensorImpl> param;
-  TensorParallelPlacement placement;
+  ParallelSlice slice;
 };
 
 std::mutex entries_mutex;
@@ -27,15 +27,15 @@ std::map<const c10::TensorImpl*, Entry>& entries() {
 
 }  // namespace
 
-void set_tensor_parallel_placement(const at::Tensor& param, TensorParallelPlacement placement) {
+void declare_parallel_slice(const at::Tensor& param, ParallelSlice slice) {
   if (!param.defined()) {
-    throw std::invalid_argument("set_tensor_parallel_placement: the parameter is undefined");
+    throw std::invalid_argument("declare_parallel_slice: the parameter is undefined");
   }
-  if (!placement.group || placement.group->size() == 1) return;
-  if (placement.dim < 0 || placement.dim >= param.dim()) {
-    throw std::invalid_argument("set_tensor_parallel_placement: dim " +
-                                std::to_string(placement.dim) + " is outside the parameter's " +
-                                std::to_string(param.dim()) + " dims");
+  if (!slice.group || slice.group->size() == 1) return;
+  if (slice.dim < 0 || slice.dim >= param.dim()) {
+    throw std::invalid_argument("declare_parallel_slice: dim " + std::to_string(slice.dim) +
+                                " is outside the parameter's " + std::to_string(param.dim()) +
+                                " dims");
   }
   std::lock_guard<std::mutex> lock(entries_mutex);
   auto& by_param = entries();
@@ -44,27 +44,25 @@ void set_tensor_parallel_placement(const at::Tensor& param, TensorParallelPlacem
   }
   by_param.insert_or_assign(
       param.unsafeGetTensorImpl(),
-      Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()),
-            std::move(placement)});
+      Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), std::move(slice)});
 }
 
-std::optional<TensorParallelPlacement> tensor_parallel_placement(const at::Tensor& param) {
+std::optional<ParallelSlice> parallel_slice_of(const at::Tensor& param) {
   if (!param.defined()) return std::nullopt;
   std::lock_guard<std::mutex> lock(entries_mutex);
   auto it = entries().find(param.unsafeGetTensorImpl());
   if (it == entries().end() || it->second.param.expired()) return std::nullopt;
-  return it->second.placement;
+  return it->second.slice;
 }
 
-at::Tensor tensor_parallel_full_tensor(const at::Tensor& local,
-                                       const TensorParallelPlacement& placement) {
-  const Group& group = *placement.group;
+at::Tensor join_parallel_slices(const at::Tensor& local, const ParallelSlice& slice) {
+  const Group& group = *slice.group;
   at::Tensor contiguous = local.detach().contiguous();
   std::vector<int64_t> stacked_shape{group.size()};
   stacked_shape.insert(stacked_shape.end(), contiguous.sizes().begin(), contiguous.sizes().end());
   at::Tensor stacked = at::empty(stacked_shape, contiguous.options());
   all_gather(stacked, contiguous, group).wait();
-  return at::cat(stacked.unbind(0), placement.dim);
+  return at::cat(stacked.unbind(0), slice.dim);
 }
 
 }  // namespace hp
