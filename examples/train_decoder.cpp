@@ -1,5 +1,7 @@
 // Trains a byte-level decoder-only transformer (models/transformer.h) with fully_shard
-// (HSDP on a 2x2 mesh by default) on text files: training loss and throughput as it goes,
+// (HSDP on a 2x2 mesh by default; with --tp, --cp, --ep and --experts also tensor,
+// context and expert parallelism: examples/trainer/parallel_layout.h) on text files:
+// training loss and throughput as it goes,
 // validation loss and perplexity every so often, a generated sample at the end. Exits 0
 // only if the final validation loss is below the corpus's unigram baseline.
 //   hp-run -n 4 -- build/examples/train_decoder --data docs [options] (--help)
@@ -27,16 +29,20 @@
 
 #include "examples/trainer/loss_curve.h"
 #include "examples/trainer/metrics_log.h"
+#include "examples/trainer/parallel_layout.h"
 #include "examples/trainer/text_batches.h"
 #include "examples/trainer/text_corpus.h"
 #include "examples/trainer/train_options.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/context_parallel.h"
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/sharded_checkpoint.h"
 #include "hyperparallel/state_dict.h"
+#include "hyperparallel/tensor_parallel.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
 
@@ -165,9 +171,14 @@ std::string with_commas(int64_t n) {
   return out;
 }
 
-int64_t numel_of(const std::vector<at::Tensor>& params) {
+// Elements of `params` as this rank holds them, or (`whole`) of the whole tensors of
+// parallel slices.
+int64_t numel_of(const std::vector<at::Tensor>& params, bool whole = false) {
   int64_t n = 0;
-  for (const auto& p : params) n += p.numel();
+  for (const auto& p : params) {
+    const auto slice = whole ? hp::parallel_slice_of(p) : std::nullopt;
+    n += p.numel() * (slice ? slice->group->size() : 1);
+  }
   return n;
 }
 
@@ -187,24 +198,48 @@ double learning_rate(const TrainOptions& o, int64_t step) {
   return o.lr * (0.1 + 0.45 * (1 + std::cos(M_PI * std::min(1.0, progress))));
 }
 
-at::Tensor next_byte_loss(const at::Tensor& logits, const at::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.to(at::kFloat).reshape({-1, kVocab}),
-                                              target.reshape(-1));
+// The mean next-byte loss of this rank's part of `batch`: its part of each sequence (cp)
+// and its slice of the vocabulary (tp). Returns the loss and the bytes it averages.
+template <typename Model>
+std::pair<at::Tensor, int64_t> next_byte_loss(Model& model, const hp::trainer::Batch& batch,
+                                              const hp::trainer::ParallelLayout& layout) {
+  const at::Tensor data = hp::shard_sequence(batch.data, layout.context_parallel);
+  const at::Tensor target = hp::shard_sequence(batch.target, layout.context_parallel);
+  const at::Tensor logits = model(data);
+  const at::Tensor loss =
+      hp::vocab_parallel_cross_entropy(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
+                                       target.reshape(-1), layout.tensor_parallel);
+  return {loss, target.numel()};
 }
 
 // Mean loss per byte over every rank's validation batches.
 template <typename Model>
 double validation_loss(Model& model, const std::vector<hp::trainer::Batch>& batches,
-                       const hp::Group& all) {
+                       const hp::trainer::ParallelLayout& layout, const hp::Group& all) {
   torch::NoGradGuard no_grad;
   at::Tensor sums = torch::zeros({2}, torch::kDouble);  // loss sum, bytes
   for (const auto& batch : batches) {
-    const at::Tensor logits = model(batch.data);
-    sums[0] += next_byte_loss(logits, batch.target).item<double>() * batch.target.numel();
-    sums[1] += static_cast<double>(batch.target.numel());
+    const std::pair<at::Tensor, int64_t> loss = next_byte_loss(model, batch, layout);
+    const int64_t bytes = loss.second;
+    sums[0] += loss.first.item<double>() * static_cast<double>(bytes);
+    sums[1] += static_cast<double>(bytes);
   }
   hp::all_reduce(sums, hp::ReduceOp::kSum, all).wait();
   return (sums[0] / sums[1]).item<double>();
+}
+
+// The whole logits [T, vocab] of one sequence `tokens` [1, T]: padded at its end to a
+// length cp can split (causal: padding changes no earlier logit), its parts gathered back
+// from the cp ranks, its vocabulary slices from the tp ranks.
+template <typename Model>
+at::Tensor whole_logits(Model& model, const at::Tensor& tokens,
+                        const hp::trainer::ParallelLayout& layout) {
+  const int64_t length = tokens.size(1), cp = layout.context_parallel->size();
+  const int64_t padded = (length + 2 * cp - 1) / (2 * cp) * (2 * cp);
+  at::Tensor input = cp > 1 ? torch::constant_pad_nd(tokens, {0, padded - length}) : tokens;
+  at::Tensor logits = model(hp::shard_sequence(input, layout.context_parallel));
+  logits = hp::unshard_sequence(logits, layout.context_parallel);
+  return hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0].narrow(0, 0, length);
 }
 
 // `length` bytes after `prompt`, top-k sampled with a generator seeded alike on every
@@ -212,7 +247,7 @@ double validation_loss(Model& model, const std::vector<hp::trainer::Batch>& batc
 // collectives.
 template <typename Model>
 std::string generate(Model& model, const std::string& prompt, int64_t length, int64_t context,
-                     uint64_t seed) {
+                     uint64_t seed, const hp::trainer::ParallelLayout& layout) {
   torch::NoGradGuard no_grad;
   at::Generator generator = at::detail::createCPUGenerator(seed);
   std::vector<int64_t> tokens;
@@ -223,7 +258,7 @@ std::string generate(Model& model, const std::string& prompt, int64_t length, in
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
     const at::Tensor input =
         torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
-    const at::Tensor logits = model(input)[0][-1].to(at::kFloat) / 0.8;
+    const at::Tensor logits = whole_logits(model, input, layout)[-1].to(at::kFloat) / 0.8;
     const auto [top, index] = logits.topk(8);
     const int64_t pick =
         torch::multinomial(torch::softmax(top, 0), 1, false, generator).item<int64_t>();
@@ -250,25 +285,28 @@ int train(const TrainOptions& o, const std::string& resolved) {
   std::shared_ptr<hp::World> world = hp::World::from_env(world_options);
   const hp::Group& all = *world->world_group();
   const int64_t ranks = world->size(), rank = world->rank();
-  if (o.replicate * o.shard != ranks) {
-    throw UsageError("--mesh " + o.mesh + " needs " + std::to_string(o.replicate * o.shard) +
-                     " ranks, this run has " + std::to_string(ranks) + " (use hp-run -n " +
-                     std::to_string(o.replicate * o.shard) + ", or --mesh 1x" +
-                     std::to_string(ranks) + ")");
+  std::optional<hp::trainer::ParallelLayout> parallel;
+  try {
+    parallel.emplace(hp::trainer::make_parallel_layout(world, o));
+  } catch (const std::invalid_argument& error) {
+    throw UsageError(error.what());
   }
-  if (o.batch % ranks != 0) {
+  const hp::trainer::ParallelLayout& layout = *parallel;
+  const int64_t data_ranks = layout.data_ranks, data_rank = layout.data_rank;
+  if (o.batch % data_ranks != 0) {
     throw UsageError("--batch " + std::to_string(o.batch) + " is not divisible by the " +
-                     std::to_string(ranks) + " data-parallel ranks");
+                     std::to_string(data_ranks) + " data-parallel ranks");
   }
-  const int64_t batch_per_rank = o.batch / ranks;
+  const int64_t batch_per_rank = o.batch / data_ranks;
   std::shared_ptr<const hp::trainer::TextCorpus> corpus;
   std::optional<hp::trainer::TrainBatches> batches;
   std::vector<hp::trainer::Batch> validation;
   try {
     corpus = std::make_shared<hp::trainer::TextCorpus>(o.data, o.validation_fraction);
-    batches.emplace(corpus, o.seq, batch_per_rank, rank, ranks, static_cast<uint64_t>(o.seed));
-    validation =
-        hp::trainer::validation_batches(corpus, o.seq, batch_per_rank, o.eval_batches, rank, ranks);
+    batches.emplace(corpus, o.seq, batch_per_rank, data_rank, data_ranks,
+                    static_cast<uint64_t>(o.seed));
+    validation = hp::trainer::validation_batches(corpus, o.seq, batch_per_rank, o.eval_batches,
+                                                 data_rank, data_ranks);
   } catch (const std::invalid_argument& error) {
     throw UsageError(std::string("--data: ") + error.what());
   }
@@ -281,24 +319,44 @@ int train(const TrainOptions& o, const std::string& resolved) {
   config.layers = o.layers;
   config.ffn_hidden = 4 * o.dim;
   config.max_seq = o.seq;
+  config.tensor_parallel = layout.tensor_parallel;
+  config.context_parallel = layout.context_parallel;
+  if (o.experts > 0) {
+    for (int64_t i = 1; i < o.layers; i += 2) config.moe.layers.push_back(i);
+    config.moe.num_experts = o.experts;
+    config.moe.top_k = o.top_k;
+    config.moe.expert_hidden = 2 * o.dim;
+    config.moe.load_balance_coef = o.balance_loss;
+    config.expert_parallel = layout.expert_parallel;
+  }
+  try {
+    config.validate();
+  } catch (const std::invalid_argument& error) {
+    throw UsageError(error.what());
+  }
   torch::manual_seed(static_cast<uint64_t>(o.seed));  // the same initial model on every rank
   // Recorded, not allocated: no rank ever holds the whole model; each materializes (or
   // loads) only its shards, below.
   auto model = hp::deferred_init([&] { return hp::Sharded<hp::models::Transformer>(config); });
   model->recompute_layers.assign(o.layers, o.recompute_impl());
-  const int64_t full_params = numel_of(model->parameters());
+  const int64_t full_params = numel_of(model->parameters(), /*whole=*/true);
 
   hp::FullyShardOptions options;
-  options.mesh =
-      o.replicate == 1
-          ? hp::DeviceMesh(world, {{"dp_shard", o.shard}})
-          : hp::DeviceMesh(world, {{"dp_replicate", o.replicate}, {"dp_shard", o.shard}});
+  options.mesh = layout.dense_mesh;
   if (o.mp == "bf16") {
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;
   }
   options.comm_fusion = o.comm_fusion;
-  for (auto& layer : model->layers) hp::fully_shard(layer, options);
+  hp::FullyShardOptions experts_options = options;
+  experts_options.mesh = layout.experts_mesh;
+  for (auto& layer : model->layers) {
+    if (layer->moe) {  // before its block: over the ranks orthogonal to ep
+      hp::fully_shard(layer->moe->experts, experts_options)
+          .set_gradient_divide_factor(layout.experts_divide_factor);
+    }
+    hp::fully_shard(layer, options);
+  }
   hp::fully_shard(model, options);
   if (!o.save.empty()) check_writable("--save", o.save, rank, all);
   if (!o.export_dir.empty()) check_writable("--export", o.export_dir, rank, all);
@@ -406,8 +464,8 @@ int train(const TrainOptions& o, const std::string& resolved) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     }
     optimizer.zero_grad();
-    const at::Tensor loss = next_byte_loss(model(batch.data), batch.target);
-    loss.backward();
+    const at::Tensor loss = next_byte_loss(model, batch, layout).first;
+    (o.experts > 0 ? loss + model->aux_loss() : loss).backward();
     // The norm of the whole gradients (shards combined across ranks), before clipping;
     // an infinite limit only measures it.
     const double grad_norm = hp::clip_grad_norm_(
@@ -433,7 +491,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
     record.tokens_per_s = tokens_per_s;
     record.elapsed_s = std::chrono::duration<double>(now - start).count();
     if (evaluate)
-      record.validation_loss = final_validation = validation_loss(model, validation, all);
+      record.validation_loss = final_validation = validation_loss(model, validation, layout, all);
     last_report = Clock::now();  // evaluation time does not count against throughput
     last_report_step = step;
     if (rank != 0) continue;
@@ -476,9 +534,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
                   o.export_dir.c_str());
     }
   }
-  if (std::isnan(final_validation)) final_validation = validation_loss(model, validation, all);
+  if (std::isnan(final_validation)) {
+    final_validation = validation_loss(model, validation, layout, all);
+  }
   const std::string sample = o.sample_bytes > 0 ? generate(model, o.prompt, o.sample_bytes, o.seq,
-                                                           static_cast<uint64_t>(o.seed))
+                                                           static_cast<uint64_t>(o.seed), layout)
                                                 : "";
   at::Tensor rss = torch::full({1}, peak_rss_mib(), torch::kFloat);
   at::Tensor all_rss = torch::empty({ranks}, torch::kFloat);

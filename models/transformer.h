@@ -13,6 +13,10 @@
 // wq/wk/wv/w1/w3, row-parallel wo/w2, vocab-parallel embedding and tied output
 // projection); the forward then returns this rank's vocabulary slice of the logits, for
 // hp::vocab_parallel_cross_entropy. Without one, the layers are plain LibTorch ones.
+// With a context-parallel group (config.context_parallel), the tokens given to it are
+// this rank's part of each sequence (hp::shard_sequence). Layers listed in
+// config.moe.layers have a mixture-of-experts FFN ("layers.<i>.moe.router.weight",
+// "layers.<i>.moe.experts.w1", ...), its experts split over config.expert_parallel.
 
 #include <torch/torch.h>
 
@@ -25,11 +29,22 @@
 #include <vector>
 
 #include "hyperparallel/context_parallel.h"
+#include "hyperparallel/expert_parallel.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/recompute.h"
 #include "hyperparallel/tensor_parallel.h"
 
 namespace hp::models {
+
+// Which layers have a mixture-of-experts FFN (hp::MoE) instead of the dense SwiGLU.
+struct MoELayers {
+  std::vector<int64_t> layers;  // empty: every FFN is dense
+  int64_t num_experts = 4;
+  int64_t top_k = 2;
+  int64_t expert_hidden = 128;  // SwiGLU hidden size of each expert
+  std::optional<double> capacity_factor;
+  double load_balance_coef = 0;  // > 0: Transformer::aux_loss() is the balancing loss
+};
 
 struct TransformerConfig {
   int64_t vocab = 64;
@@ -45,6 +60,21 @@ struct TransformerConfig {
   // these options); max_seq bounds the whole sequence.
   hp::GroupPtr context_parallel;
   hp::ContextParallelOptions context_parallel_options;
+  MoELayers moe;
+  // The MoE layers' experts are split over it; null: all experts on every rank.
+  GroupPtr expert_parallel;
+
+  bool is_moe_layer(int64_t layer) const {
+    return std::find(moe.layers.begin(), moe.layers.end(), layer) != moe.layers.end();
+  }
+  MoEOptions moe_options() const {
+    return {.dim = dim,
+            .expert_hidden = moe.expert_hidden,
+            .num_experts = moe.num_experts,
+            .top_k = moe.top_k,
+            .capacity_factor = moe.capacity_factor,
+            .load_balance_coef = moe.load_balance_coef};
+  }
 
   void validate() const {
     auto require = [](bool ok, const std::string& what) {
@@ -62,6 +92,12 @@ struct TransformerConfig {
                                    ") must be divisible by the tensor-parallel size (" +
                                    std::to_string(tp) + ")");
     }
+    for (int64_t layer : moe.layers) {
+      require(layer >= 0 && layer < layers, "moe.layers names layer " + std::to_string(layer) +
+                                                " but the model has " + std::to_string(layers) +
+                                                " layers");
+    }
+    if (!moe.layers.empty()) moe_options().validate();
   }
 };
 
@@ -147,30 +183,39 @@ struct SwiGluImpl : torch::nn::Module {
 };
 TORCH_MODULE(SwiGlu);
 
+// Pre-norm block: attention, then the dense SwiGLU ("mlp") or, in an MoE layer, the
+// mixture of experts ("moe").
 struct DecoderBlockImpl : torch::nn::Module {
-  explicit DecoderBlockImpl(const TransformerConfig& config)
+  DecoderBlockImpl(const TransformerConfig& config, bool moe_ffn = false)
       : attn_norm(register_module("attn_norm", RMSNorm(config.dim))),
         attn(register_module("attn",
                              Attention(config.dim, config.heads, config.tensor_parallel,
                                        config.context_parallel, config.context_parallel_options))),
-        mlp_norm(register_module("mlp_norm", RMSNorm(config.dim))),
-        mlp(register_module("mlp", SwiGlu(config.dim, config.ffn_hidden, config.tensor_parallel))) {
+        mlp_norm(register_module("mlp_norm", RMSNorm(config.dim))) {
+    if (moe_ffn) {
+      moe = register_module("moe", MoE(config.moe_options(), config.expert_parallel));
+    } else {
+      mlp = register_module("mlp", SwiGlu(config.dim, config.ffn_hidden, config.tensor_parallel));
+    }
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x + attn(attn_norm(x));
-    return h + mlp(mlp_norm(h));
+    at::Tensor normed = mlp_norm(h);
+    return h + (moe ? moe(normed) : mlp(normed));
   }
   RMSNorm attn_norm;
   Attention attn;
   RMSNorm mlp_norm;
-  SwiGlu mlp;
+  SwiGlu mlp{nullptr};  // dense layers
+  MoE moe{nullptr};     // MoE layers
 };
 TORCH_MODULE(DecoderBlock);
 
 // GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that
 // the initial logits are small (loss starts near log(vocab)). Draws from the global
-// generator in parameter order, so torch::manual_seed fixes the result (tensor-parallel
-// slices included: each is cut from the whole tensor drawn in its place).
+// generator in parameter order, so torch::manual_seed fixes the result (parallel slices
+// included: tensor-parallel weights and experts are cut from the whole tensor drawn in
+// their place).
 inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
   torch::NoGradGuard no_grad;
   const double residual_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(layers, 1));
@@ -178,13 +223,14 @@ inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
     const std::string& name = item.key();
     at::Tensor& param = item.value();
     if (param.dim() < 2) continue;  // norm weights stay 1
-    const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight");
+    const bool residual_out = name.ends_with("attn.wo.weight") || name.ends_with("mlp.w2.weight") ||
+                              name.ends_with("experts.w2");
     const double stddev = residual_out ? residual_std : 0.02;
-    // A tensor-parallel slice: drawn whole, as the single-process model draws it.
+    // A parallel slice: drawn whole, as the single-process model draws it.
     if (auto slice = hp::parallel_slice_of(param)) {
       std::vector<int64_t> whole_shape = param.sizes().vec();
       whole_shape[slice->dim] *= slice->group->size();
-      at::Tensor whole = torch::empty(whole_shape, param.options()).normal_(0.0, stddev);
+      at::Tensor whole = param.new_empty(whole_shape).normal_(0.0, stddev);
       const int64_t part = param.size(slice->dim);
       param.copy_(whole.narrow(slice->dim, slice->group->rank() * part, part));
     } else {
@@ -200,7 +246,7 @@ inline std::vector<hp::Sharded<DecoderBlock>> register_decoder_layers(
   auto list = owner.register_module("layers", torch::nn::ModuleList());
   std::vector<hp::Sharded<DecoderBlock>> layers;
   for (int64_t i = 0; i < config.layers; ++i) {
-    layers.emplace_back(DecoderBlock(config));
+    layers.emplace_back(DecoderBlock(config, config.is_moe_layer(i)));
     list->push_back(layers.back().ptr());
   }
   return layers;
@@ -249,6 +295,16 @@ struct TransformerImpl : torch::nn::Module {
       }
     }
     return norm(h);
+  }
+
+  // The MoE layers' load-balancing losses of the last forward, summed (a zero without
+  // graph when there are none): add it to the loss.
+  at::Tensor aux_loss() const {
+    at::Tensor total = torch::zeros({});
+    for (const auto& layer : layers) {
+      if (layer->moe) total = total + layer->moe->aux_loss();
+    }
+    return total;
   }
 
   TransformerConfig config;

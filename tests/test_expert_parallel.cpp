@@ -1,4 +1,5 @@
-// Expert parallelism (include/hyperparallel/expert_parallel.h, models/moe.h). One process:
+// Expert parallelism (include/hyperparallel/expert_parallel.h, the MoE layers of
+// models/transformer.h). One process:
 // the MoE layer against a per-token loop written from its definition (routing, ties,
 // capacity drops, load-balancing loss, errors). Several ranks, against the single-process
 // model (no expert group, all experts local): the layer alone on 2 ep ranks; test plan
@@ -22,13 +23,13 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/expert_parallel.h"
 #include "hyperparallel/state_dict.h"
-#include "models/moe.h"
+#include "models/transformer.h"
 
 namespace hp {
 namespace {
 
-using models::MoETransformer;
-using models::MoETransformerConfig;
+using models::Transformer;
+using models::TransformerConfig;
 using testing::error_of;
 
 // ---------------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ struct ShardedMoE {
 
 // Experts first (over the expert mesh, their gradients divided by all data ranks), then
 // the blocks and the root over the dense mesh.
-ShardedMoE shard_moe_transformer(Sharded<MoETransformer>& model, const EpLayout& layout) {
+ShardedMoE shard_moe_transformer(Sharded<Transformer>& model, const EpLayout& layout) {
   ShardedMoE parts;
   for (size_t i = 0; i < model->layers.size(); ++i) {
     auto& layer = model->layers[i];
@@ -394,19 +395,20 @@ struct StepResult {
 // lr * g / (|g| + eps), so a gradient element that cancels to rounding level differs by
 // up to lr between two correct runs (L3-03: g = 2e-9 in the reference, 0 here, for one
 // element of layers.0.attn.wo.weight: 1.75e-4 apart after the step).
-std::vector<StepResult> train_moe_decoder(const MoETransformerConfig& config,
-                                          const EpLayout& layout, int64_t global_batch, int steps,
-                                          double tol, double dense_norm_tol, bool check_reference,
+std::vector<StepResult> train_moe_decoder(TransformerConfig config, const EpLayout& layout,
+                                          int64_t global_batch, int steps, double tol,
+                                          double dense_norm_tol, bool check_reference,
                                           Largest& largest) {
   auto world = testing::world();
-  const int64_t vocab = config.transformer.vocab, seq = config.transformer.max_seq;
-  MoETransformer reference{nullptr};
+  const int64_t vocab = config.vocab, seq = config.max_seq;
+  Transformer reference{nullptr};
   if (check_reference) {
     torch::manual_seed(42);
-    reference = MoETransformer(config);
+    reference = Transformer(config);
   }
+  config.expert_parallel = layout.ep;
   torch::manual_seed(42);
-  Sharded<MoETransformer> model(config, layout.ep);
+  Sharded<Transformer> model(config);
   ShardedMoE parts = shard_moe_transformer(model, layout);
   if (check_reference) {
     // The full state dict holds every expert, named as in the single-process model.
@@ -501,13 +503,9 @@ HP_DIST_TEST(ExpertParallel, L2_10_TwoEpTimesTwoFsdpMatchesSingleProcess, 4) {
                   .dense_mesh = mesh.slice({"dp_shard_ep"}),
                   .ep = mesh.group("ep"),
                   .data_ranks = 4};
-  MoETransformerConfig config{
-      .transformer =
-          {.vocab = 64, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 64, .max_seq = 16},
-      .moe_layers = {0, 1},
-      .num_experts = 4,
-      .top_k = 2,
-      .expert_hidden = 64};
+  TransformerConfig config{
+      .vocab = 64, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 64, .max_seq = 16};
+  config.moe = {.layers = {0, 1}, .num_experts = 4, .top_k = 2, .expert_hidden = 64};
   Largest largest;
   train_moe_decoder(config, layout, /*global_batch=*/8, /*steps=*/2, 1e-4, 1e-4,
                     /*check_reference=*/true, largest);
@@ -525,13 +523,9 @@ HP_DIST_TEST_WITH_TIMEOUT(ExpertParallel, L3_03_MoeDecoderOnDpShardEpMeshMatches
                   .dense_mesh = mesh.slice({"dp_replicate", "dp_shard_ep"}),
                   .ep = mesh.group("ep"),
                   .data_ranks = 4};
-  MoETransformerConfig config{
-      .transformer =
-          {.vocab = 128, .dim = 256, .heads = 4, .layers = 4, .ffn_hidden = 512, .max_seq = 64},
-      .moe_layers = {1, 3},
-      .num_experts = 4,
-      .top_k = 2,
-      .expert_hidden = 512};
+  TransformerConfig config{
+      .vocab = 128, .dim = 256, .heads = 4, .layers = 4, .ffn_hidden = 512, .max_seq = 64};
+  config.moe = {.layers = {1, 3}, .num_experts = 4, .top_k = 2, .expert_hidden = 512};
   Largest largest;
   auto first = train_moe_decoder(config, layout, /*global_batch=*/4, /*steps=*/2, 1e-4, 1e-5,
                                  /*check_reference=*/true, largest);

@@ -5,7 +5,8 @@
 // checkpoint files of an uninterrupted run, byte for byte; a save directory that cannot
 // be written and a missing corpus fail before the first step; flags override a config
 // file; a rank that never starts is named within --timeout; the real torchrun launches it
-// (its agent hosting the store) and restarts it.
+// (its agent hosting the store) and restarts it; tensor, context and expert parallelism
+// on 8 ranks train like data parallelism alone.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -217,6 +218,52 @@ TEST(Trainer, ConfigFileFlagsAndBadInput) {
   EXPECT_EQ(no_data.exit_code, 2) << no_data.output;
   EXPECT_TRUE(contains(no_data.output, "--data: data path " + missing + ": no such file"))
       << no_data.output;
+}
+
+// The losses and grad norms each step printed, as (loss, grad norm) pairs.
+std::vector<std::pair<double, double>> step_lines(const std::string& output) {
+  std::vector<std::pair<double, double>> steps;
+  const std::regex line("step +[0-9]+/[0-9]+  loss ([0-9.]+)  grad norm +([0-9.]+)");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), line);
+       it != std::sregex_iterator(); ++it) {
+    steps.emplace_back(std::stod((*it)[1]), std::stod((*it)[2]));
+  }
+  return steps;
+}
+
+// --tp 2 --cp 2 --ep 2 on 8 local ranks (MoE layers) trains the model the 2 data-parallel
+// ranks train alone: the same printed losses and grad norms at every step. (Three steps:
+// AdamW and top-k routing make the runs drift apart later from rounding-level
+// differences, 4e-4 in the loss by step 6; the exact checks are the layers' own tests.)
+TEST(Trainer, TensorContextAndExpertParallelTrainLikeDataParallel) {
+  const std::string flags = "--steps 3 --log-every 1 --experts 4";
+  const ProgramRun plain = train("", flags);
+  const ProgramRun parallel =
+      run_program(std::string(HP_RUN_PATH) + " -n 8 --timeout 120 -- " + TRAIN_DECODER_PATH +
+                  " --data " + HP_SOURCE_DIR + "/docs --data " + HP_SOURCE_DIR +
+                  "/README.md --mesh 1x2 --tp 2 --cp 2 --ep 2 --batch 16 --lr 1e-2 --warmup 10 "
+                  "--eval-batches 4 " +
+                  flags);
+  ASSERT_EQ(parallel.exit_code == 0, plain.exit_code == 0) << parallel.output;
+  const auto want = step_lines(plain.output), got = step_lines(parallel.output);
+  ASSERT_EQ(want.size(), 3u) << plain.output;
+  ASSERT_EQ(got.size(), want.size()) << parallel.output;
+  for (size_t i = 0; i < want.size(); ++i) {
+    // Printed to 4 and 3 decimals.
+    EXPECT_NEAR(got[i].first, want[i].first, 2e-4) << "loss at step " << i + 1;
+    EXPECT_NEAR(got[i].second, want[i].second, 2e-3) << "grad norm at step " << i + 1;
+  }
+  EXPECT_TRUE(contains(parallel.output, "ranks 8,")) << parallel.output;
+
+  const ProgramRun bad = train("", "--steps 2 --ep 3");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--ep (3) must divide the shards of --mesh (2)")) << bad.output;
+  const ProgramRun wrong_world = train("", "--steps 2 --tp 2");
+  EXPECT_EQ(wrong_world.exit_code, 2) << wrong_world.output;
+  EXPECT_TRUE(contains(wrong_world.output,
+                       "--mesh 1x2 x --cp 1 x --tp 2 needs 4 ranks, this "
+                       "run has 2"))
+      << wrong_world.output;
 }
 
 TEST(Trainer, TimeoutFlagNamesARankThatNeverStarts) {

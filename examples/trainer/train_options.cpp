@@ -84,9 +84,34 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->group("Training");
 
-  app.add_option("--mesh", o.mesh, "R replicas x S shards = number of ranks; R=1: plain FSDP")
+  app.add_option("--mesh", o.mesh,
+                 "R replicas x S shards: the data-parallel ranks (R x S x cp x tp = number of "
+                 "ranks); R=1: plain FSDP")
       ->check(check_mesh, "RxS")
       ->group("Parallelism");
+  app.add_option("--tp", o.tp, "tensor-parallel ranks: heads, FFN and vocabulary split over them")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
+  app.add_option("--cp", o.cp,
+                 "context-parallel ranks: each sequence split over them (load-balanced "
+                 "chunks; --seq divisible by 2 x cp)")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
+  app.add_option("--ep", o.ep,
+                 "expert-parallel ranks, taken from the S shards: the experts split over them")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
+  app.add_option("--experts", o.experts,
+                 "experts per MoE layer; > 0: every odd layer's FFN is a mixture of experts")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Model");
+  app.add_option("--top-k", o.top_k, "experts per token in the MoE layers")
+      ->check(CLI::PositiveNumber)
+      ->group("Model");
+  app.add_option("--balance-loss", o.balance_loss,
+                 "coefficient of the MoE layers' load-balancing loss (0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->group("Model");
   app.add_option("--mp", o.mp,
                  "bf16: parameters gathered and used in bf16, gradients reduced in fp32")
       ->check(CLI::IsMember({"none", "bf16"}))
@@ -177,6 +202,23 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   if (o.dim % o.heads != 0) {
     usage_error("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
                 std::to_string(o.dim) + ")");
+  } else if (o.shard % o.ep != 0) {
+    usage_error("--ep (" + std::to_string(o.ep) + ") must divide the shards of --mesh (" +
+                std::to_string(o.shard) + "): the expert-parallel ranks are taken from them");
+  } else if (o.ep > 1 && o.experts == 0) {
+    usage_error("--ep " + std::to_string(o.ep) + " needs MoE layers: give --experts");
+  } else if (o.experts > 0 && o.experts % o.ep != 0) {
+    usage_error("--experts (" + std::to_string(o.experts) + ") must be divisible by --ep (" +
+                std::to_string(o.ep) + "): each expert-parallel rank holds experts / ep");
+  } else if (o.experts > 0 && o.top_k > o.experts) {
+    usage_error("--top-k (" + std::to_string(o.top_k) + ") exceeds --experts (" +
+                std::to_string(o.experts) + ")");
+  } else if (o.cp > 1 && o.seq % (2 * o.cp) != 0) {
+    usage_error("--seq (" + std::to_string(o.seq) + ") must be divisible by 2 x --cp (" +
+                std::to_string(2 * o.cp) + "): each rank holds two of 2 x cp equal chunks");
+  } else if (o.heads % o.tp != 0) {
+    usage_error("--tp (" + std::to_string(o.tp) + ") must divide --heads (" +
+                std::to_string(o.heads) + ")");
   } else if (o.resume == "auto" && o.save.empty()) {
     usage_error("--resume auto needs --save DIR (the checkpoints it looks for)");
   } else if (o.save_every > 0 && o.save.empty()) {

@@ -26,8 +26,14 @@ struct TrainOptions {
   double clip_grad = 1.0;  // 0: off
   int64_t seed = 0;
   // Parallelism
-  std::string mesh = "2x2";  // RxS: replicas x shards
-  std::string mp = "none";   // none | bf16
+  std::string mesh = "2x2";    // RxS: data-parallel replicas x shards
+  int64_t tp = 1;              // tensor parallel: heads, FFN and vocabulary split over tp ranks
+  int64_t cp = 1;              // context parallel: each sequence split over cp ranks
+  int64_t ep = 1;              // expert parallel: the experts split over ep of the S shards
+  int64_t experts = 0;         // > 0: every odd layer's FFN is a mixture of this many experts
+  int64_t top_k = 2;           // experts per token
+  double balance_loss = 0.01;  // load-balancing loss coefficient of the MoE layers
+  std::string mp = "none";     // none | bf16
   bool comm_fusion = false;
   double timeout =
       0;  // seconds start-up and collectives wait for the others; 0: HP_TIMEOUT_S or 300

@@ -1,0 +1,49 @@
+#include "examples/trainer/parallel_layout.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace hp::trainer {
+namespace {
+
+DeviceMesh trainer_mesh(const std::shared_ptr<World>& world, const TrainOptions& o) {
+  const int64_t ranks = o.replicate * o.shard * o.cp * o.tp;
+  if (ranks != world->size()) {
+    throw std::invalid_argument("--mesh " + o.mesh + " x --cp " + std::to_string(o.cp) +
+                                " x --tp " + std::to_string(o.tp) + " needs " +
+                                std::to_string(ranks) + " ranks, this run has " +
+                                std::to_string(world->size()) + " (use hp-run -n " +
+                                std::to_string(ranks) + ", or change the degrees)");
+  }
+  return DeviceMesh(world, {{"dp_replicate", o.replicate},
+                            {"dp_shard", o.shard / o.ep},
+                            {"ep", o.ep},
+                            {"cp", o.cp},
+                            {"tp", o.tp}});
+}
+
+}  // namespace
+
+ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const TrainOptions& o) {
+  DeviceMesh mesh = trainer_mesh(world, o);
+  mesh.flatten({"dp_shard", "ep", "cp"}, "dp_shard_ep_cp");
+  mesh.flatten({"dp_shard", "cp"}, "dp_shard_cp");
+  const bool replicated = o.replicate > 1;
+  ParallelLayout layout{.mesh = mesh,
+                        .tensor_parallel = mesh.group("tp"),
+                        .context_parallel = mesh.group("cp"),
+                        .expert_parallel = mesh.group("ep"),
+                        .data_rank = (mesh.coordinate("dp_replicate") * (o.shard / o.ep) +
+                                      mesh.coordinate("dp_shard")) *
+                                         o.ep +
+                                     mesh.coordinate("ep"),
+                        .data_ranks = o.replicate * o.shard,
+                        .dense_mesh = replicated ? mesh.slice({"dp_replicate", "dp_shard_ep_cp"})
+                                                 : mesh.slice({"dp_shard_ep_cp"}),
+                        .experts_mesh = replicated ? mesh.slice({"dp_replicate", "dp_shard_cp"})
+                                                   : mesh.slice({"dp_shard_cp"}),
+                        .experts_divide_factor = static_cast<double>(o.replicate * o.shard * o.cp)};
+  return layout;
+}
+
+}  // namespace hp::trainer

@@ -1,0 +1,33 @@
+#pragma once
+// How the trainer's ranks divide the work, on one mesh
+//   {dp_replicate R, dp_shard S / ep, ep, cp, tp}   (--mesh RxS, --ep, --cp, --tp)
+// (torchtitan's layout): ranks that differ in dp_replicate, dp_shard or ep read different
+// batches; cp splits each sequence; tp splits heads, FFN units and the vocabulary. The
+// dense parameters are fully_shard-ed over dp_shard x ep x cp (replicated over
+// dp_replicate), the experts over dp_shard x cp (orthogonal to ep, which splits them).
+
+#include <cstdint>
+#include <memory>
+
+#include "examples/trainer/train_options.h"
+#include "hyperparallel/mesh.h"
+
+namespace hp::trainer {
+
+struct ParallelLayout {
+  DeviceMesh mesh;
+  GroupPtr tensor_parallel, context_parallel, expert_parallel;
+  int64_t data_rank = 0;    // which share of every global batch this rank reads ...
+  int64_t data_ranks = 1;   // ... of this many
+  DeviceMesh dense_mesh;    // fully_shard's mesh for all but the experts
+  DeviceMesh experts_mesh;  // fully_shard's mesh for the experts
+  // The experts' gradient divide factor: each already sums what every ep rank's tokens
+  // contributed, so it is divided by all the data x context ranks (R x S x cp).
+  double experts_divide_factor = 1;
+};
+
+// Throws std::invalid_argument naming the option when the degrees do not multiply to the
+// world's size.
+ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const TrainOptions& o);
+
+}  // namespace hp::trainer
