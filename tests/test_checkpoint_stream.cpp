@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "checkpoint_test_util.h"
 #include "cpu_memory_probe.h"
@@ -262,6 +264,31 @@ HP_DIST_TEST(CheckpointStream, UnreadableRecordNamesTheTensor, 1) {
   const std::string error = error_of([&] { load_full_checkpoint(*model, path); });
   EXPECT_TRUE(contains(error, "cannot read '" + name + "' from " + path)) << error;
   EXPECT_TRUE(contains(error, "the model is partly loaded")) << error;
+  std::filesystem::remove_all(dir);
+}
+
+// Flipped bits in a tensor's bytes (the zip structure intact) fail the CRC-32 the archive
+// stores for the record: the error names the file and the tensor; nothing loads silently.
+HP_DIST_TEST(CheckpointStream, FlippedTensorBytesFailTheCrcCheck, 1) {
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  const std::string dir = shared_dir("hp_stream_flipped");
+  const std::string path = dir + "/model.pt";
+  save_full_checkpoint(*model, path);
+  const std::string name = model->named_parameters().keys()[5];
+  const at::Tensor whole = get_full_state_dict(*model)[name].contiguous();
+  std::string bytes;
+  {
+    std::ifstream file(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+  const std::string pattern(static_cast<const char*>(whole.data_ptr()), 64);
+  const size_t at = bytes.find(pattern);
+  ASSERT_NE(at, std::string::npos) << "the tensor's bytes are stored uncompressed";
+  bytes[at + 33] = static_cast<char>(bytes[at + 33] ^ 0x10);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  const std::string error = error_of([&] { load_full_checkpoint(*model, path); });
+  EXPECT_TRUE(contains(error, "cannot read '" + name + "' from " + path)) << error;
+  EXPECT_TRUE(contains(error, "fail the CRC-32 check (the file is damaged)")) << error;
   std::filesystem::remove_all(dir);
 }
 

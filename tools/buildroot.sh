@@ -14,8 +14,8 @@ set -euo pipefail
 ROOT=${HP_BUILDROOT:-/var/cache/hyperparallel/trixie}
 CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PACKAGES=(libtorch-dev libgloo-dev python3-torch g++ cmake make libgtest-dev
-          ninja-build clang-format iproute2 procps nlohmann-json3-dev zlib1g-dev libcli11-dev
-          python3-safetensors)
+          ninja-build clang-format iproute2 procps nlohmann-json3-dev zlib1g-dev libzip-dev
+          libcli11-dev python3-safetensors)
 STAMP="$ROOT/.hyperparallel-packages"
 
 die() { echo "buildroot: $*" >&2; exit 1; }

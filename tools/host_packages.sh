@@ -4,7 +4,7 @@
 # users without root, get the list to install themselves; CMake then names what it lacks.
 set -euo pipefail
 
-PACKAGES=(g++ cmake make ninja-build libgtest-dev nlohmann-json3-dev zlib1g-dev libcli11-dev
+PACKAGES=(g++ cmake make ninja-build libgtest-dev nlohmann-json3-dev zlib1g-dev libzip-dev libcli11-dev
           python3-venv iproute2 procps)
 
 command -v dpkg-query >/dev/null || exit 0

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
+#include <zip.h>
+#include <zlib.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -36,6 +38,34 @@ int64_t storage_elements_needed(const TorchSaveReader::Entry& entry) {
   return last + 1;
 }
 
+// The CRC-32 the zip archive at `path` stores for each record, by its name inside the
+// archive's top directory ("data/0", ...).
+std::unordered_map<std::string, uint32_t> stored_crcs(const std::string& path) {
+  int error = 0;
+  zip_t* archive = zip_open(path.c_str(), ZIP_RDONLY, &error);
+  if (archive == nullptr) {
+    zip_error_t reason;
+    zip_error_init_with_code(&reason, error);
+    const std::string text = zip_error_strerror(&reason);
+    zip_error_fini(&reason);
+    throw std::invalid_argument(path + " is not a readable zip archive: " + text);
+  }
+  std::unordered_map<std::string, uint32_t> crcs;
+  const zip_int64_t count = zip_get_num_entries(archive, 0);
+  for (zip_int64_t i = 0; i < count; ++i) {
+    zip_stat_t stat;
+    if (zip_stat_index(archive, static_cast<zip_uint64_t>(i), 0, &stat) != 0 ||
+        !(stat.valid & ZIP_STAT_NAME) || !(stat.valid & ZIP_STAT_CRC)) {
+      continue;
+    }
+    const std::string name = stat.name;
+    const size_t slash = name.find('/');
+    if (slash != std::string::npos) crcs[name.substr(slash + 1)] = stat.crc;
+  }
+  zip_discard(archive);
+  return crcs;
+}
+
 }  // namespace
 
 TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
@@ -54,6 +84,7 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
                                 "with _use_new_zipfile_serialization=False?): " +
                                 error.what_without_backtrace());
   }
+  record_crcs_ = stored_crcs(path);
   if (archive_->hasRecord("byteorder")) {
     auto [order, size] = archive_->getRecord("byteorder");
     if (std::string(static_cast<const char*>(order.get()), size) != kHostByteOrder) {
@@ -141,6 +172,16 @@ at::Tensor TorchSaveReader::read(const Entry& entry) {
     } catch (const c10::Error& error) {
       throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
                                entry.record + "): " + error.what_without_backtrace());
+    }
+    // LibTorch's reader does not check the archive's CRCs: damaged bytes would load.
+    const auto stored = record_crcs_.find(entry.record);
+    const uint32_t computed = static_cast<uint32_t>(
+        crc32_z(crc32_z(0, nullptr, 0), static_cast<const Bytef*>(storage.data_ptr()),
+                static_cast<size_t>(entry.storage_bytes)));
+    if (stored == record_crcs_.end() || stored->second != computed) {
+      throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
+                               entry.record +
+                               "): its bytes fail the CRC-32 check (the file is damaged)");
     }
   }
   return storage.as_strided(entry.shape, entry.strides, entry.storage_offset);

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -42,7 +43,8 @@ class TorchSaveReader {
   // nullptr when the file has no tensor of that name.
   const Entry* find(const std::string& name) const;
   // The tensor, on the host, holding only its own storage. Throws std::runtime_error
-  // naming the file and the tensor when its record cannot be read.
+  // naming the file and the tensor when its record cannot be read or its bytes fail the
+  // CRC-32 the archive stores for them.
   at::Tensor read(const Entry& entry);
 
  private:
@@ -50,6 +52,7 @@ class TorchSaveReader {
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive_;
   std::vector<Entry> entries_;
   std::unordered_map<std::string, size_t> index_;
+  std::unordered_map<std::string, uint32_t> record_crcs_;  // "data/<key>" -> stored CRC-32
 };
 
 }  // namespace hp::detail
