@@ -1,9 +1,14 @@
 // Saves stepped checkpoints under a root forever, from a first step on, until it is
-// killed: the process the killed-save test interrupts.
-// Usage: sharded_checkpoint_saver ROOT FIRST_STEP
+// killed: the ranks the killed-save test interrupts. Run under hp-run, every rank writes
+// its shards of the fully_shard-ed model; rank 0 writes its pid to ROOT/rank0.pid.
+// Usage: hp-run -n N -- sharded_checkpoint_saver ROOT FIRST_STEP
+#include <unistd.h>
+
 #include <cstdio>
+#include <fstream>
 #include <string>
 
+#include "hyperparallel/fully_shard.h"
 #include "stepped_checkpoint.h"
 
 int main(int argc, char** argv) {
@@ -11,6 +16,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s ROOT FIRST_STEP\n", argv[0]);
     return 2;
   }
-  torch::nn::Sequential model = hp::testing::stepped_model();
+  hp::Sharded<torch::nn::Sequential> model(hp::testing::stepped_model());
+  hp::fully_shard(model);
+  if (hp::default_world()->rank() == 0) {
+    std::ofstream(std::string(argv[1]) + "/rank0.pid.partial") << getpid() << "\n";
+    std::rename((std::string(argv[1]) + "/rank0.pid.partial").c_str(),
+                (std::string(argv[1]) + "/rank0.pid").c_str());
+  }
   for (int64_t step = std::stoll(argv[2]);; ++step) hp::testing::save_step(model, argv[1], step);
 }

@@ -1,8 +1,9 @@
 // Sharded checkpoints: every rank writes only its shards; a checkpoint loads on any mesh
 // and world size into exactly the saved state (compared with the full state gathered
 // independently); Python reads it with safetensors; damaged, incomplete and unwritable
-// checkpoints are refused on every rank; a save killed at any point leaves a complete
-// earlier checkpoint, never a mixed one.
+// checkpoints are refused on every rank; a save whose rank 0 is killed at any point
+// leaves a complete earlier checkpoint, never a mixed one.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -210,8 +211,9 @@ bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
   return false;
 }
 
-// A process saving one checkpoint after the other is killed (SIGKILL) at 20 random
-// moments: the newest complete checkpoint always loads, whole and from one step.
+// Two ranks saving one checkpoint after the other (each its shards) have rank 0 killed
+// (SIGKILL) at 20 random moments, hp-run then stopping the other: the newest complete
+// checkpoint always loads, whole and from one step.
 TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
   const fs::path root = fs::temp_directory_path() / ("hp_sharded_kill_" + std::to_string(getpid()));
   fs::remove_all(root);
@@ -224,23 +226,35 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
     const fs::file_time_type started = fs::file_time_type::clock::now();
     ASSERT_TRUE(before.has_value());
     const int64_t next = std::stoll(fs::path(*before).filename().string().substr(5)) + 1;
-    // A fresh process: a forked child of this multithreaded one could deadlock.
+    // Fresh processes: a forked child of this multithreaded one could deadlock.
     const std::string first_step = std::to_string(next);
-    const pid_t child = fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-      execl(HP_SAVER_PATH, HP_SAVER_PATH, root.c_str(), first_step.c_str(), nullptr);
+    const fs::path pid_file = root / "rank0.pid";
+    fs::remove(pid_file);
+    const pid_t launcher = fork();
+    ASSERT_GE(launcher, 0);
+    if (launcher == 0) {
+      const int null = open("/dev/null", O_WRONLY);  // 20 runs' "rank 0 was killed" lines
+      dup2(null, STDOUT_FILENO);
+      dup2(null, STDERR_FILENO);
+      execl(HP_RUN_PATH, HP_RUN_PATH, "-n", "2", "--", HP_SAVER_PATH, root.c_str(),
+            first_step.c_str(), nullptr);
       _exit(127);
     }
-    // Killed once it saves (LibTorch takes a while to load), at a random moment after.
+    // Rank 0 killed once the ranks save (LibTorch takes a while to load), at a random
+    // moment after.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (latest_checkpoint(root.string()) == before) {
+    while (latest_checkpoint(root.string()) == before || !fs::exists(pid_file)) {
       ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the saver saves nothing";
       usleep(1000);
     }
     usleep(std::uniform_int_distribution<useconds_t>(0, 100000)(random));
-    kill(child, SIGKILL);
-    waitpid(child, nullptr, 0);
+    pid_t rank0 = 0;
+    std::ifstream(pid_file) >> rank0;
+    ASSERT_GT(rank0, 0);
+    kill(rank0, SIGKILL);
+    int status = 0;
+    waitpid(launcher, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "hp-run saw rank 0 killed";
     interrupted += save_interrupted_since(root, started);
 
     const std::optional<std::string> latest = latest_checkpoint(root.string());
