@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <utility>
@@ -98,6 +99,32 @@ inline std::map<std::string, at::Tensor> reference_params(torch::nn::Module& ref
   return params;
 }
 
+// The largest element-wise difference of two tensors, in double.
+inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// The largest difference over the names of `expected`, which `actual` must all have with
+// the same shapes (else a test failure); `where`, if given, gets the name.
+inline double max_abs_diff(const std::map<std::string, at::Tensor>& actual,
+                           const std::map<std::string, at::Tensor>& expected,
+                           std::string* where = nullptr) {
+  double largest = 0;
+  for (const auto& [name, want] : expected) {
+    auto found = actual.find(name);
+    EXPECT_NE(found, actual.end()) << "no " << name;
+    if (found == actual.end()) continue;
+    EXPECT_EQ(found->second.sizes(), want.sizes()) << name;
+    if (found->second.sizes() != want.sizes() || !want.defined()) continue;
+    const double diff = max_abs_diff(found->second, want);
+    if (diff >= largest) {
+      largest = diff;
+      if (where) *where = name;
+    }
+  }
+  return largest;
+}
+
 // Every name of `expected` must be in `actual` with all elements within atol.
 inline void expect_all_close(const std::map<std::string, at::Tensor>& actual,
                              const std::map<std::string, at::Tensor>& expected, double atol,
@@ -135,6 +162,33 @@ inline at::Tensor mse_loss(const at::Tensor& output, const at::Tensor& target) {
 inline at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               target.reshape(-1));
+}
+
+// How far a sharded step was from the single-process reference's.
+struct ReferenceStepDiffs {
+  double loss = 0, grad_norm = 0, grad = 0;
+};
+
+// One step of the single-process `reference` on the global batch (next-token loss; its
+// gradients left for its optimizer), checked against the sharded run's mean loss and
+// whole gradients: loss, grad norm and every gradient within `atol`.
+template <typename Reference>
+ReferenceStepDiffs expect_reference_step_matches(Reference& reference, const at::Tensor& input,
+                                                 const at::Tensor& target, double mean_loss,
+                                                 const std::map<std::string, at::Tensor>& grads,
+                                                 double atol) {
+  reference->zero_grad();
+  at::Tensor ref_loss = token_cross_entropy(reference(input), target);
+  ref_loss.backward();
+  const auto ref_grads = reference_grads(*reference);
+  EXPECT_EQ(grads.size(), ref_grads.size()) << "parameters managed by fully_shard";
+  const ReferenceStepDiffs diffs{std::abs(mean_loss - ref_loss.item<double>()),
+                                 std::abs(norm_of(grads) - norm_of(ref_grads)),
+                                 max_abs_diff(grads, ref_grads)};
+  EXPECT_LE(diffs.loss, atol) << "loss";
+  EXPECT_LE(diffs.grad_norm, atol) << "grad norm";
+  expect_all_close(grads, ref_grads, atol, "grad");
+  return diffs;
 }
 
 struct StepLosses {

@@ -31,18 +31,7 @@ std::string name_of(const ContextParallelOptions& options) {
   return options.layout == SequenceLayout::kContiguous ? "contiguous" : "load-balanced";
 }
 
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
-double max_abs_diff(const std::map<std::string, at::Tensor>& actual,
-                    const std::map<std::string, at::Tensor>& expected) {
-  double worst = 0;
-  for (const auto& [name, want] : expected) {
-    worst = std::max(worst, max_abs_diff(actual.at(name), want));
-  }
-  return worst;
-}
+using testing::max_abs_diff;
 
 bool is_rank_zero() { return testing::world()->rank() == 0; }
 
@@ -229,18 +218,11 @@ std::vector<StepResult> train(const Parallelism& parallel, bool check_reference)
     auto grads = testing::full_grads(parts);
     results.push_back({mean_loss.item<float>(), static_cast<float>(testing::norm_of(grads))});
     if (check_reference) {
-      ref_opt->zero_grad();
-      at::Tensor ref_loss = testing::token_cross_entropy(reference(input), target);
-      ref_loss.backward();
-      auto ref_grads = testing::reference_grads(*reference);
-      EXPECT_EQ(grads.size(), ref_grads.size()) << "parameters managed by fully_shard";
-      EXPECT_NEAR(mean_loss.item<double>(), ref_loss.item<double>(), 1e-5) << "loss";
-      EXPECT_NEAR(testing::norm_of(grads), testing::norm_of(ref_grads), 1e-5) << "grad norm";
-      testing::expect_all_close(grads, ref_grads, 1e-5, "grad");
-      loss_diff = std::max(loss_diff, std::abs(mean_loss.item<double>() - ref_loss.item<double>()));
-      norm_diff =
-          std::max(norm_diff, std::abs(testing::norm_of(grads) - testing::norm_of(ref_grads)));
-      grad_diff = std::max(grad_diff, max_abs_diff(grads, ref_grads));
+      const testing::ReferenceStepDiffs diffs = testing::expect_reference_step_matches(
+          reference, input, target, mean_loss.item<double>(), grads, 1e-5);
+      loss_diff = std::max(loss_diff, diffs.loss);
+      norm_diff = std::max(norm_diff, diffs.grad_norm);
+      grad_diff = std::max(grad_diff, diffs.grad);
       ref_opt->step();
     }
     opt.step();
@@ -311,7 +293,9 @@ HP_DIST_TEST(ContextParallel, BadInputIsExplained, 2) {
   EXPECT_TRUE(has(error_of([&] { shard_sequence(tokens30, cp, kLoadBalanced); }),
                   {"hp::shard_sequence", "sequence length 30", "not divisible by 2 x cp = 4",
                    "multiple of 4", "SequenceLayout::kContiguous"}));
-  EXPECT_TRUE(has(error_of([&] { shard_sequence(torch::zeros({2, 31}), cp, kContiguous); }),
+  EXPECT_TRUE(has(error_of([&] {
+                    shard_sequence(torch::zeros({2, 31}), cp, kContiguous);
+                  }),
                   {"sequence length 31", "not divisible by cp = 2", "multiple of 2"}));
   EXPECT_TRUE(has(error_of([&] { sequence_positions(30, cp, kLoadBalanced); }),
                   {"hp::sequence_positions", "sequence length 30", "2 x cp = 4"}));
@@ -335,9 +319,13 @@ HP_DIST_TEST(ContextParallel, BadInputIsExplained, 2) {
   TransformerConfig config = small_decoder();
   config.context_parallel = cp;
   Transformer model(config);
-  EXPECT_TRUE(has(error_of([&] { model(torch::zeros({1, 3}, at::kLong)); }),
+  EXPECT_TRUE(has(error_of([&] {
+                    model(torch::zeros({1, 3}, at::kLong));
+                  }),
                   {"sequence length 6", "2 x cp = 4"}));
-  EXPECT_TRUE(has(error_of([&] { model(torch::zeros({1, 20}, at::kLong)); }),
+  EXPECT_TRUE(has(error_of([&] {
+                    model(torch::zeros({1, 20}, at::kLong));
+                  }),
                   {"sequence length 40 exceeds max_seq 32"}));
 }
 

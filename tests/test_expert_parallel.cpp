@@ -73,9 +73,7 @@ at::Tensor naive_moe(MoEImpl& moe, const at::Tensor& input) {
 
 MoEOptions small_options() { return {.dim = 8, .expert_hidden = 16, .num_experts = 4, .top_k = 2}; }
 
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using testing::max_abs_diff;
 
 // Output and the gradients of (output * weights).sum() w.r.t. input and parameters.
 std::vector<at::Tensor> output_and_grads(MoE& moe, const at::Tensor& input,
@@ -351,26 +349,6 @@ std::map<std::string, at::Tensor> dense_only(const std::map<std::string, at::Ten
   return dense;
 }
 
-// The largest difference over the names of `expected`, each of which `actual` must have
-// with the same shape; `where` gets its name.
-double max_difference(const std::map<std::string, at::Tensor>& actual,
-                      const std::map<std::string, at::Tensor>& expected, std::string& where) {
-  double largest = 0;
-  for (const auto& [name, want] : expected) {
-    auto found = actual.find(name);
-    EXPECT_NE(found, actual.end()) << "no " << name;
-    if (found == actual.end()) continue;
-    EXPECT_EQ(found->second.sizes(), want.sizes()) << name;
-    if (found->second.sizes() != want.sizes()) continue;
-    const double diff = max_abs_diff(found->second, want);
-    if (diff >= largest) {
-      largest = diff;
-      where = name;
-    }
-  }
-  return largest;
-}
-
 struct Largest {
   double loss = 0, grad_norm = 0, dense_grad_norm = 0, expert_grad_norm = 0, grad = 0;
   std::string grad_name;
@@ -461,7 +439,7 @@ std::vector<StepResult> train_moe_decoder(TransformerConfig config, const EpLayo
         note(largest.expert_grad_norm, diff);
       }
       std::string where;
-      const double grad_diff = max_difference(grads, ref_grads, where);
+      const double grad_diff = max_abs_diff(grads, ref_grads, &where);
       EXPECT_LE(grad_diff, tol) << "gradient " << where;
       if (grad_diff > largest.grad) {
         largest.grad = grad_diff;
@@ -615,7 +593,7 @@ HP_DIST_TEST(ExpertParallel, UnevenRoutingWithCapacityAndAuxLossMatchesReference
       grads[std::string("experts.") + w] = experts.full_grad(w);  // all experts (a slice)
     }
     std::string where;
-    const double grad_diff = max_difference(grads, testing::reference_grads(*reference), where);
+    const double grad_diff = max_abs_diff(grads, testing::reference_grads(*reference), &where);
     EXPECT_LE(grad_diff, 1e-4) << "gradient " << where;
     largest_grad = std::max(largest_grad, grad_diff);
 

@@ -78,9 +78,7 @@ double mean_over_ranks(const at::Tensor& value) {
   return testing::mean_over_ranks(value.detach().to(at::kDouble).reshape({1})).item<double>();
 }
 
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using testing::max_abs_diff;
 
 std::map<std::string, at::Tensor> cloned_grads(torch::nn::Module& module) {
   std::map<std::string, at::Tensor> grads;

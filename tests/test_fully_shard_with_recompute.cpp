@@ -244,8 +244,10 @@ HP_DIST_TEST(FullyShardWithRecompute, RecomputeInsideAShardedModule, 2) {
     torch::manual_seed(11);
     testing::expect_training_matches_reference(
         reference, model, parts, 2,
-        [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; }, testing::mse_loss,
-        1e-5, /*expect_every_param_managed=*/true);
+        [] {
+          return std::pair{torch::randn({8, 16}), torch::randn({8, 1})};
+        },
+        testing::mse_loss, 1e-5, /*expect_every_param_managed=*/true);
   }
 }
 

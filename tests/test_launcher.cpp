@@ -319,8 +319,8 @@ TEST(Launcher, InterruptIsForwardedToRanksAndReRaised) {
   TempDir dir;
   auto options = sh_ranks(2, record_pids() + "wait\n");
   options.extra_env = {{"HP_TEST_DIR", dir.path()}};
-  struct sigaction ours{};
-  struct sigaction previous{};
+  struct sigaction ours {};
+  struct sigaction previous {};
   ours.sa_handler = test_handler;
   sigemptyset(&ours.sa_mask);
   ASSERT_EQ(sigaction(SIGTERM, &ours, &previous), 0);

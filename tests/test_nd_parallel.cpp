@@ -95,8 +95,8 @@ HP_DIST_TEST_WITH_TIMEOUT(NdParallel, Seed000TopologyTp2Cp4ShardSize1IsBitwiseRe
   ASSERT_EQ(first.size(), second.size());
   for (size_t i = 0; i < first.size(); ++i) {
     ASSERT_EQ(std::memcmp(&first[i], &second[i], sizeof(StepResult)), 0)
-        << "step " << i << ": loss " << first[i].loss << " vs " << second[i].loss
-        << ", grad norm " << first[i].grad_norm << " vs " << second[i].grad_norm;
+        << "step " << i << ": loss " << first[i].loss << " vs " << second[i].loss << ", grad norm "
+        << first[i].grad_norm << " vs " << second[i].grad_norm;
   }
   EXPECT_LT(first.back().loss, first.front().loss) << "it trains";
 }

@@ -277,9 +277,10 @@ TEST(RecomputeNonReentrant, BackwardTwiceThroughARetainedGraph) {
   const at::Tensor x = torch::randn({5, 8}).requires_grad_();
   const auto leaves = with_input(x, mlp.parameters());
   const Result once = run(leaves, [&] { return mlp(x); });
-  const Result expected = run(leaves, [&] { return mlp(x); }, 2);
-  const Result actual =
-      run(leaves, [&] { return recompute([&](const at::Tensor& in) { return mlp(in); }, x); }, 2);
+  const Result expected = run(
+      leaves, [&] { return mlp(x); }, 2);
+  const Result actual = run(
+      leaves, [&] { return recompute([&](const at::Tensor& in) { return mlp(in); }, x); }, 2);
   expect_equal(actual, expected);
   for (size_t i = 0; i < once.grads.size(); ++i) {
     EXPECT_TRUE(torch::equal(actual.grads[i], 2 * once.grads[i])) << "leaf " << i;

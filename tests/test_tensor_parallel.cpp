@@ -22,9 +22,7 @@ namespace {
 using models::Transformer;
 using models::TransformerConfig;
 
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using testing::max_abs_diff;
 
 // The whole gradient of a tensor-parallel layer's parameter (itself when not a slice).
 at::Tensor whole_grad(const at::Tensor& param) {
@@ -85,17 +83,17 @@ HP_DIST_TEST(TensorParallel, LayersMatchTheirPlainCounterparts, 2, 4) {
   at::Tensor target = torch::randint(4 * n, {15});
   at::Tensor x_ref = embedding_ref(tokens);
   at::Tensor x = embedding(tokens);
-  EXPECT_LE(max_diff(x, x_ref), 1e-6) << "embedding";
+  EXPECT_LE(max_abs_diff(x, x_ref), 1e-6) << "embedding";
 
   // MLP: column -> relu -> row; a gathered column; a row taking the whole input; the
   // tied output projection and the vocab-parallel loss.
   at::Tensor y_ref = down(torch::relu(up(x_ref)));
   at::Tensor y = row(torch::relu(column(x)));
-  EXPECT_LE(max_diff(y, y_ref), 1e-6) << "column -> row";
+  EXPECT_LE(max_abs_diff(y, y_ref), 1e-6) << "column -> row";
   at::Tensor g_ref = gathered_ref(x_ref), g = gathered(x);
-  EXPECT_LE(max_diff(g, g_ref), 1e-6) << "gathered column";
+  EXPECT_LE(max_abs_diff(g, g_ref), 1e-6) << "gathered column";
   at::Tensor s_ref = split_ref(g_ref), s = split(g);
-  EXPECT_LE(max_diff(s, s_ref), 1e-6) << "row from the whole input";
+  EXPECT_LE(max_abs_diff(s, s_ref), 1e-6) << "row from the whole input";
   at::Tensor logits_ref = torch::nn::functional::linear(y_ref, embedding_ref->weight);
   at::Tensor logits =
       torch::nn::functional::linear(copy_to_tensor_parallel(y, tp), embedding->weight);
@@ -103,17 +101,17 @@ HP_DIST_TEST(TensorParallel, LayersMatchTheirPlainCounterparts, 2, 4) {
                         s_ref.pow(2).mean();
   at::Tensor loss =
       vocab_parallel_cross_entropy(logits.reshape({15, -1}), target, tp) + s.pow(2).mean();
-  EXPECT_LE(max_diff(loss, loss_ref), 1e-6) << "loss";
+  EXPECT_LE(max_abs_diff(loss, loss_ref), 1e-6) << "loss";
   loss_ref.backward();
   loss.backward();
 
-  EXPECT_LE(max_diff(whole_grad(column->weight), up->weight.grad()), 1e-6);
-  EXPECT_LE(max_diff(whole_grad(column->bias), up->bias.grad()), 1e-6);
-  EXPECT_LE(max_diff(whole_grad(row->weight), down->weight.grad()), 1e-6);
-  EXPECT_LE(max_diff(row->bias.grad(), down->bias.grad()), 1e-6) << "replicated bias";
-  EXPECT_LE(max_diff(whole_grad(gathered->weight), gathered_ref->weight.grad()), 1e-6);
-  EXPECT_LE(max_diff(whole_grad(split->weight), split_ref->weight.grad()), 1e-6);
-  EXPECT_LE(max_diff(whole_grad(embedding->weight), embedding_ref->weight.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(whole_grad(column->weight), up->weight.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(whole_grad(column->bias), up->bias.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(whole_grad(row->weight), down->weight.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(row->bias.grad(), down->bias.grad()), 1e-6) << "replicated bias";
+  EXPECT_LE(max_abs_diff(whole_grad(gathered->weight), gathered_ref->weight.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(whole_grad(split->weight), split_ref->weight.grad()), 1e-6);
+  EXPECT_LE(max_abs_diff(whole_grad(embedding->weight), embedding_ref->weight.grad()), 1e-6);
   EXPECT_FALSE(parallel_slice_of(row->bias).has_value());
   EXPECT_EQ(parallel_slice_of(row->weight)->dim, 1);
 }
@@ -208,13 +206,8 @@ std::vector<StepResult> train_tp_fsdp(bool check_reference, const std::string& c
     const double norm = clip_grad_norm_(model->parameters(), 0.5);
     results.push_back({mean_loss.item<float>(), static_cast<float>(norm)});
     if (check_reference) {
-      ref_opt->zero_grad();
-      at::Tensor ref_loss = testing::token_cross_entropy(reference(input), target);
-      ref_loss.backward();
-      auto ref_grads = testing::reference_grads(*reference);
-      EXPECT_NEAR(mean_loss.item<double>(), ref_loss.item<double>(), 1e-5) << "loss";
-      EXPECT_NEAR(testing::norm_of(grads), testing::norm_of(ref_grads), 1e-5) << "grad norm";
-      testing::expect_all_close(grads, ref_grads, 1e-5, "grad");
+      testing::expect_reference_step_matches(reference, input, target, mean_loss.item<double>(),
+                                             grads, 1e-5);
       const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
       EXPECT_NEAR(norm, ref_norm, 1e-5) << "clip_grad_norm_ counts each slice once";
       testing::expect_all_close(testing::full_grads(parts), testing::reference_grads(*reference),

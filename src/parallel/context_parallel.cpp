@@ -7,6 +7,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hyperparallel/collectives.h"
@@ -104,6 +105,20 @@ struct GatherAlongDim0 : torch::autograd::Function<GatherAlongDim0> {
   }
 };
 
+// The [begin, end) ranges of a global sequence of `seq_len` tokens this rank holds, in
+// the order its part lists them; throws naming `caller` when the length does not split.
+std::vector<std::pair<int64_t, int64_t>> ranges_of_rank(int64_t seq_len, const Group& group,
+                                                        const ContextParallelOptions& options,
+                                                        const std::string& caller) {
+  check_global_length(seq_len, group.size(), options.layout, caller);
+  const int64_t chunk_len = seq_len / (chunks_per_rank(options.layout) * group.size());
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t chunk : chunks_of_rank(group.rank(), group.size(), options.layout)) {
+    ranges.emplace_back(chunk * chunk_len, (chunk + 1) * chunk_len);
+  }
+  return ranges;
+}
+
 }  // namespace
 
 at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr& group) {
@@ -122,12 +137,9 @@ at::Tensor shard_sequence(const at::Tensor& global, const GroupPtr& group,
   const Group& checked = require_group(group, caller);
   seq_dim = wrapped_dim(global, seq_dim, caller);
   if (checked.size() == 1) return global;
-  const int64_t seq_len = global.size(seq_dim);
-  check_global_length(seq_len, checked.size(), options.layout, caller);
-  const int64_t chunk_len = seq_len / (chunks_per_rank(options.layout) * checked.size());
   std::vector<at::Tensor> parts;
-  for (int64_t chunk : chunks_of_rank(checked.rank(), checked.size(), options.layout)) {
-    parts.push_back(global.narrow(seq_dim, chunk * chunk_len, chunk_len));
+  for (const auto& [begin, end] : ranges_of_rank(global.size(seq_dim), checked, options, caller)) {
+    parts.push_back(global.narrow(seq_dim, begin, end - begin));
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts, seq_dim);
 }
@@ -138,11 +150,9 @@ at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
   const std::string caller = "hp::sequence_positions";
   const Group& checked = require_group(group, caller);
   if (checked.size() == 1) return at::arange(seq_len, tensor_options);
-  check_global_length(seq_len, checked.size(), options.layout, caller);
-  const int64_t chunk_len = seq_len / (chunks_per_rank(options.layout) * checked.size());
   std::vector<at::Tensor> parts;
-  for (int64_t chunk : chunks_of_rank(checked.rank(), checked.size(), options.layout)) {
-    parts.push_back(at::arange(chunk * chunk_len, (chunk + 1) * chunk_len, tensor_options));
+  for (const auto& [begin, end] : ranges_of_rank(seq_len, checked, options, caller)) {
+    parts.push_back(at::arange(begin, end, tensor_options));
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "hyperparallel/collectives.h"
 
@@ -22,8 +23,22 @@ bool is_parallel(const GroupPtr& group) { return group && group->size() > 1; }
 int64_t size_of(const GroupPtr& group) { return group ? group->size() : 1; }
 int64_t rank_of(const GroupPtr& group) { return group ? group->rank() : 0; }
 
-void record_placement(const at::Tensor& param, const GroupPtr& group, int64_t dim) {
+void declare_slice(const at::Tensor& param, const GroupPtr& group, int64_t dim) {
   if (is_parallel(group)) declare_parallel_slice(param, {group, dim});
+}
+
+// The whole weight [out, in] and bias [out] (undefined without one), drawn as
+// torch::nn::Linear draws them.
+std::pair<at::Tensor, at::Tensor> linear_parameters(int64_t in, int64_t out, bool with_bias) {
+  at::Tensor weight = torch::empty({out, in});
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  at::Tensor bias;
+  if (with_bias) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    bias = torch::empty({out});
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+  return {weight, bias};
 }
 
 // This rank's slice of a whole tensor built on every rank (`whole` itself without a group).
@@ -135,17 +150,13 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
     : options(options), group(std::move(group)) {
   require_divisible("ColumnParallelLinear", "out_features", options.out_features, this->group);
   torch::NoGradGuard no_grad;
-  // The whole weight drawn as torch::nn::Linear draws it.
-  at::Tensor whole = torch::empty({options.out_features, options.in_features});
-  torch::nn::init::kaiming_uniform_(whole, std::sqrt(5.0));
+  const auto [whole, whole_bias] =
+      linear_parameters(options.in_features, options.out_features, options.bias);
   weight = register_parameter("weight", slice_of(whole, 0, this->group));
-  record_placement(weight, this->group, 0);
+  declare_slice(weight, this->group, 0);
   if (options.bias) {
-    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features));
-    at::Tensor whole_bias = torch::empty({options.out_features});
-    torch::nn::init::uniform_(whole_bias, -bound, bound);
     bias = register_parameter("bias", slice_of(whole_bias, 0, this->group));
-    record_placement(bias, this->group, 0);
+    declare_slice(bias, this->group, 0);
   }
 }
 
@@ -158,15 +169,11 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, G
     : options(options), group(std::move(group)) {
   require_divisible("RowParallelLinear", "in_features", options.in_features, this->group);
   torch::NoGradGuard no_grad;
-  at::Tensor whole = torch::empty({options.out_features, options.in_features});
-  torch::nn::init::kaiming_uniform_(whole, std::sqrt(5.0));
+  const auto [whole, whole_bias] =
+      linear_parameters(options.in_features, options.out_features, options.bias);
   weight = register_parameter("weight", slice_of(whole, 1, this->group));
-  record_placement(weight, this->group, 1);
-  if (options.bias) {
-    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features));
-    bias = register_parameter("bias", torch::empty({options.out_features}));
-    torch::nn::init::uniform_(bias, -bound, bound);
-  }
+  declare_slice(weight, this->group, 1);
+  if (options.bias) bias = register_parameter("bias", whole_bias);  // replicated
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
@@ -183,7 +190,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
   at::Tensor whole = torch::empty({vocab, dim});
   torch::nn::init::normal_(whole);  // as torch::nn::Embedding
   weight = register_parameter("weight", slice_of(whole, 0, this->group));
-  record_placement(weight, this->group, 0);
+  declare_slice(weight, this->group, 0);
 }
 
 int64_t VocabParallelEmbeddingImpl::vocab_begin() const {
