@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -162,6 +163,22 @@ inline at::Tensor mse_loss(const at::Tensor& output, const at::Tensor& target) {
 inline at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               target.reshape(-1));
+}
+
+// What an A/A rerun must reproduce bit for bit: a step's mean loss and grad norm.
+struct StepResult {
+  float loss;
+  float grad_norm;
+};
+
+inline void expect_bitwise_equal(const std::vector<StepResult>& a,
+                                 const std::vector<StepResult>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(StepResult)), 0)
+        << "step " << i << ": loss " << a[i].loss << " vs " << b[i].loss << ", grad norm "
+        << a[i].grad_norm << " vs " << b[i].grad_norm;
+  }
 }
 
 // How far a sharded step was from the single-process reference's.

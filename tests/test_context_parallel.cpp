@@ -161,10 +161,7 @@ TransformerConfig small_decoder() {
   return {.vocab = 64, .dim = 64, .heads = 4, .layers = 2, .ffn_hidden = 128, .max_seq = 32};
 }
 
-struct StepResult {
-  float loss;
-  float grad_norm;
-};
+using testing::StepResult;
 
 // Where the decoder runs: its sequence split over `cp`, its batch rows over `dp_size`
 // data-parallel ranks (this one `dp_rank`), fully_shard-ed over `fsdp_mesh`.
@@ -242,15 +239,6 @@ std::vector<StepResult> train(const Parallelism& parallel, bool check_reference)
   return results;
 }
 
-void expect_bitwise_equal(const std::vector<StepResult>& a, const std::vector<StepResult>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(StepResult)), 0)
-        << "step " << i << ": " << a[i].loss << "/" << a[i].grad_norm << " vs " << b[i].loss << "/"
-        << b[i].grad_norm;
-  }
-}
-
 // The model is replicated over cp, so fully_shard reduces over dp_shard x cp: a 1-D mesh
 // over those 4 ranks.
 HP_DIST_TEST(ContextParallel, DecoderCp2TimesFsdp2MatchesSingleProcess, 4) {
@@ -266,7 +254,7 @@ HP_DIST_TEST(ContextParallel, DecoderCp2TimesFsdp2MatchesSingleProcess, 4) {
                                .fsdp_mesh = dp_cp};
     auto first = train(parallel, /*check_reference=*/true);
     if (options.layout == SequenceLayout::kLoadBalanced) {
-      expect_bitwise_equal(first, train(parallel, /*check_reference=*/false));
+      testing::expect_bitwise_equal(first, train(parallel, /*check_reference=*/false));
     }
   }
 }

@@ -360,10 +360,7 @@ struct Largest {
   }
 };
 
-struct StepResult {
-  float loss;
-  float grad_norm;
-};
+using testing::StepResult;
 
 // `steps` AdamW steps of the MoE decoder on `layout` against (check_reference) the
 // single-process model with all experts on the global batch: mean loss, global and
@@ -510,12 +507,7 @@ HP_DIST_TEST_WITH_TIMEOUT(ExpertParallel, L3_03_MoeDecoderOnDpShardEpMeshMatches
   if (world->rank() == 0) largest.print("L3-03");
   auto second =
       train_moe_decoder(config, layout, 4, 2, 1e-4, 1e-5, /*check_reference=*/false, largest);
-  ASSERT_EQ(first.size(), second.size());
-  for (size_t i = 0; i < first.size(); ++i) {
-    EXPECT_EQ(std::memcmp(&first[i], &second[i], sizeof(StepResult)), 0)
-        << "step " << i << ": " << first[i].loss << "/" << first[i].grad_norm << " vs "
-        << second[i].loss << "/" << second[i].grad_norm;
-  }
+  testing::expect_bitwise_equal(first, second);
 }
 
 // Routing forced by the input: logit_e = 5 x_e, and each rank's tokens carry +3 on the

@@ -21,10 +21,7 @@ TransformerConfig l3_config() {
   return {.vocab = 1024, .dim = 256, .heads = 4, .layers = 4, .ffn_hidden = 688, .max_seq = 128};
 }
 
-struct StepResult {
-  float loss;
-  float grad_norm;
-};
+using testing::StepResult;
 
 // Two AdamW steps of the sharded model; with `reference` also the single-process run,
 // compared on the way (loss, grad norm, every gradient within 1e-5).
@@ -73,24 +70,15 @@ std::vector<StepResult> train(const std::optional<DeviceMesh>& mesh, bool check_
   return results;
 }
 
-void expect_bitwise_equal(const std::vector<StepResult>& a, const std::vector<StepResult>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(StepResult)), 0)
-        << "step " << i << ": " << a[i].loss << "/" << a[i].grad_norm << " vs " << b[i].loss << "/"
-        << b[i].grad_norm;
-  }
-}
-
 HP_DIST_TEST_WITH_TIMEOUT(FullyShardWithLlm, L3_01_LlmDecoderHsdpVsDdp, 300, 4) {
   DeviceMesh mesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}});
   auto first = train(mesh, /*check_reference=*/true);
-  expect_bitwise_equal(first, train(mesh, /*check_reference=*/false));
+  testing::expect_bitwise_equal(first, train(mesh, /*check_reference=*/false));
 }
 
 HP_DIST_TEST_WITH_TIMEOUT(FullyShardWithLlm, L3_02_LlmDecoderFsdp1DVsDdp, 300, 2) {
   auto first = train(std::nullopt, /*check_reference=*/true);
-  expect_bitwise_equal(first, train(std::nullopt, /*check_reference=*/false));
+  testing::expect_bitwise_equal(first, train(std::nullopt, /*check_reference=*/false));
 }
 
 // L2-08: five steps with different sequence lengths finish (the harness timeout is

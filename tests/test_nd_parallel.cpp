@@ -23,10 +23,7 @@ TransformerConfig seed_000_config() {
   return {.vocab = 64, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 64, .max_seq = 16};
 }
 
-struct StepResult {
-  float loss;
-  float grad_norm;
-};
+using testing::StepResult;
 
 // `steps` AdamW steps on {cp 4, dp_shard 1, tp 2}: fully_shard replicates over cp and
 // shards over dp_shard (size 1), every rank sees the same batch (one data-parallel
@@ -92,12 +89,7 @@ HP_DIST_TEST_WITH_TIMEOUT(NdParallel, Seed000TopologyTp2Cp4ShardSize1IsBitwiseRe
                           8) {
   const auto first = train(200, /*reference_steps=*/1);
   const auto second = train(200, /*reference_steps=*/0);
-  ASSERT_EQ(first.size(), second.size());
-  for (size_t i = 0; i < first.size(); ++i) {
-    ASSERT_EQ(std::memcmp(&first[i], &second[i], sizeof(StepResult)), 0)
-        << "step " << i << ": loss " << first[i].loss << " vs " << second[i].loss << ", grad norm "
-        << first[i].grad_norm << " vs " << second[i].grad_norm;
-  }
+  testing::expect_bitwise_equal(first, second);
   EXPECT_LT(first.back().loss, first.front().loss) << "it trains";
 }
 

@@ -159,10 +159,7 @@ TransformerConfig decoder_config(GroupPtr tensor_parallel) {
           .tensor_parallel = std::move(tensor_parallel)};
 }
 
-struct StepResult {
-  float loss;
-  float grad_norm;
-};
+using testing::StepResult;
 
 // Two AdamW steps of the decoder, 2 TP x 2 FSDP on {dp_shard 2, tp 2}, with clipping;
 // with `check_reference` compared on the way with the single-process model on the global
@@ -258,11 +255,7 @@ HP_DIST_TEST_WITH_TIMEOUT(TensorParallel, DecoderTpTimesFsdpMatchesSingleProcess
   const std::string dir = testing::shared_dir("hp_tp_fsdp");
   auto first = train_tp_fsdp(/*check_reference=*/true, dir + "/checkpoint");
   auto second = train_tp_fsdp(/*check_reference=*/false, "");
-  ASSERT_EQ(first.size(), second.size());
-  for (size_t i = 0; i < first.size(); ++i) {
-    EXPECT_EQ(std::memcmp(&first[i], &second[i], sizeof(StepResult)), 0)
-        << "step " << i << ": a rerun is bitwise equal";
-  }
+  testing::expect_bitwise_equal(first, second);
   testing::remove_after_all_ranks(dir);
 }
 
