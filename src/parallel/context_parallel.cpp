@@ -119,6 +119,16 @@ std::vector<std::pair<int64_t, int64_t>> ranges_of_rank(int64_t seq_len, const G
   return ranges;
 }
 
+// This rank's part of `global` along `dim`: its ranges, concatenated.
+at::Tensor part_of_rank(const at::Tensor& global, int64_t dim, const Group& group,
+                        const ContextParallelOptions& options, const std::string& caller) {
+  std::vector<at::Tensor> parts;
+  for (const auto& [begin, end] : ranges_of_rank(global.size(dim), group, options, caller)) {
+    parts.push_back(global.narrow(dim, begin, end - begin));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, dim);
+}
+
 }  // namespace
 
 at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr& group) {
@@ -137,11 +147,7 @@ at::Tensor shard_sequence(const at::Tensor& global, const GroupPtr& group,
   const Group& checked = require_group(group, caller);
   seq_dim = wrapped_dim(global, seq_dim, caller);
   if (checked.size() == 1) return global;
-  std::vector<at::Tensor> parts;
-  for (const auto& [begin, end] : ranges_of_rank(global.size(seq_dim), checked, options, caller)) {
-    parts.push_back(global.narrow(seq_dim, begin, end - begin));
-  }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, seq_dim);
+  return part_of_rank(global, seq_dim, checked, options, caller);
 }
 
 at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
@@ -149,12 +155,9 @@ at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
                               const at::TensorOptions& tensor_options) {
   const std::string caller = "hp::sequence_positions";
   const Group& checked = require_group(group, caller);
-  if (checked.size() == 1) return at::arange(seq_len, tensor_options);
-  std::vector<at::Tensor> parts;
-  for (const auto& [begin, end] : ranges_of_rank(seq_len, checked, options, caller)) {
-    parts.push_back(at::arange(begin, end, tensor_options));
-  }
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  const at::Tensor positions = at::arange(seq_len, tensor_options);
+  if (checked.size() == 1) return positions;
+  return part_of_rank(positions, 0, checked, options, caller);
 }
 
 at::Tensor unshard_sequence(const at::Tensor& local, const GroupPtr& group,

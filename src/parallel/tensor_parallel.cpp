@@ -23,10 +23,6 @@ bool is_parallel(const GroupPtr& group) { return group && group->size() > 1; }
 int64_t size_of(const GroupPtr& group) { return group ? group->size() : 1; }
 int64_t rank_of(const GroupPtr& group) { return group ? group->rank() : 0; }
 
-void declare_slice(const at::Tensor& param, const GroupPtr& group, int64_t dim) {
-  if (is_parallel(group)) declare_parallel_slice(param, {group, dim});
-}
-
 // The whole weight [out, in] and bias [out] (undefined without one), drawn as
 // torch::nn::Linear draws them.
 std::pair<at::Tensor, at::Tensor> linear_parameters(int64_t in, int64_t out, bool with_bias) {
@@ -41,11 +37,16 @@ std::pair<at::Tensor, at::Tensor> linear_parameters(int64_t in, int64_t out, boo
   return {weight, bias};
 }
 
-// This rank's slice of a whole tensor built on every rank (`whole` itself without a group).
-at::Tensor slice_of(const at::Tensor& whole, int64_t dim, const GroupPtr& group) {
-  if (!is_parallel(group)) return whole;
+// Registers on `module` this rank's slice along `dim` of `whole` (built alike on every
+// rank) as parameter `name`, declared a parallel slice; `whole` itself without a group.
+at::Tensor register_slice(torch::nn::Module& module, const std::string& name,
+                          const at::Tensor& whole, int64_t dim, const GroupPtr& group) {
+  if (!is_parallel(group)) return module.register_parameter(name, whole);
   const int64_t part = whole.size(dim) / group->size();
-  return whole.narrow(dim, group->rank() * part, part).clone();
+  at::Tensor param =
+      module.register_parameter(name, whole.narrow(dim, group->rank() * part, part).clone());
+  declare_parallel_slice(param, {group, dim});
+  return param;
 }
 
 void require_divisible(const char* layer, const char* what, int64_t value, const GroupPtr& group) {
@@ -90,46 +91,27 @@ at::Tensor own_slice_last_dim(const at::Tensor& x, const Group& group) {
   return x.chunk(group.size(), -1)[group.rank()].contiguous();
 }
 
-struct CopyToTensorParallel : torch::autograd::Function<CopyToTensorParallel> {
+at::Tensor unchanged(const at::Tensor& x, const Group&) { return x.view_as(x); }
+
+// An autograd function that lays x out by `Forward` and its gradient by `Backward` over
+// the group (Megatron-LM's conjugate pairs).
+template <at::Tensor (*Forward)(const at::Tensor&, const Group&),
+          at::Tensor (*Backward)(const at::Tensor&, const Group&)>
+struct Conjugate : torch::autograd::Function<Conjugate<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
     save_group(ctx, group);
-    return x.view_as(x);
+    return Forward(x, *group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {summed(grads[0], saved_group(ctx)), at::Tensor()};
+    return {Backward(grads[0], saved_group(ctx)), at::Tensor()};
   }
 };
 
-struct ReduceFromTensorParallel : torch::autograd::Function<ReduceFromTensorParallel> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x, GroupPtr group) {
-    return summed(x, *group);
-  }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], at::Tensor()};
-  }
-};
-
-struct GatherFromTensorParallel : torch::autograd::Function<GatherFromTensorParallel> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
-    save_group(ctx, group);
-    return gathered_last_dim(x, *group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {own_slice_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
-  }
-};
-
-// The conjugate of the gather: forward this rank's slice of a replicated x, backward the
-// slices' gradients put together.
-struct ScatterToTensorParallel : torch::autograd::Function<ScatterToTensorParallel> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, GroupPtr group) {
-    save_group(ctx, group);
-    return own_slice_last_dim(x, *group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {gathered_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
-  }
-};
+using CopyToTensorParallel = Conjugate<unchanged, summed>;
+using ReduceFromTensorParallel = Conjugate<summed, unchanged>;
+using GatherFromTensorParallel = Conjugate<gathered_last_dim, own_slice_last_dim>;
+// Forward this rank's slice of a replicated x, backward the slices' gradients put together.
+using ScatterToTensorParallel = Conjugate<own_slice_last_dim, gathered_last_dim>;
 
 }  // namespace
 
@@ -152,12 +134,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
   torch::NoGradGuard no_grad;
   const auto [whole, whole_bias] =
       linear_parameters(options.in_features, options.out_features, options.bias);
-  weight = register_parameter("weight", slice_of(whole, 0, this->group));
-  declare_slice(weight, this->group, 0);
-  if (options.bias) {
-    bias = register_parameter("bias", slice_of(whole_bias, 0, this->group));
-    declare_slice(bias, this->group, 0);
-  }
+  weight = register_slice(*this, "weight", whole, 0, this->group);
+  if (options.bias) bias = register_slice(*this, "bias", whole_bias, 0, this->group);
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -171,8 +149,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, G
   torch::NoGradGuard no_grad;
   const auto [whole, whole_bias] =
       linear_parameters(options.in_features, options.out_features, options.bias);
-  weight = register_parameter("weight", slice_of(whole, 1, this->group));
-  declare_slice(weight, this->group, 1);
+  weight = register_slice(*this, "weight", whole, 1, this->group);
   if (options.bias) bias = register_parameter("bias", whole_bias);  // replicated
 }
 
@@ -189,8 +166,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
   torch::NoGradGuard no_grad;
   at::Tensor whole = torch::empty({vocab, dim});
   torch::nn::init::normal_(whole);  // as torch::nn::Embedding
-  weight = register_parameter("weight", slice_of(whole, 0, this->group));
-  declare_slice(weight, this->group, 0);
+  weight = register_slice(*this, "weight", whole, 0, this->group);
 }
 
 int64_t VocabParallelEmbeddingImpl::vocab_begin() const {
