@@ -115,7 +115,6 @@ class FSDPModule {
   at::Tensor main_grad(const std::string& name) const;
   ReduceBufferStats reduce_buffer_stats() const;
 
-  const std::shared_ptr<detail::FSDPState>& state() const { return state_; }
   bool operator==(const FSDPModule& other) const { return state_ == other.state_; }
 
  private:

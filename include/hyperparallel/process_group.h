@@ -22,14 +22,12 @@ class Store;
 
 namespace hp {
 
+class DeviceMesh;
 struct LaunchEnv;
 
+// Made by World::new_group (and a DeviceMesh's dims).
 class Group {
  public:
-  // `store` (the world's): where members report a failed collective to one another.
-  Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
-        c10::intrusive_ptr<c10d::Backend> cpu_backend,
-        c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store);
   ~Group();
 
   const std::string& name() const { return name_; }
@@ -47,6 +45,12 @@ class Group {
   std::function<std::string(const std::string& error)> on_failure(std::string operation) const;
 
  private:
+  friend class World;
+  // `store` (the world's): where members report a failed collective to one another.
+  Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
+        c10::intrusive_ptr<c10d::Backend> cpu_backend,
+        c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store);
+
   std::string name_;
   std::vector<int64_t> ranks_;
   int64_t rank_;
@@ -93,11 +97,12 @@ class World {
   // The group created under `name` by this rank, or null.
   GroupPtr find_group(const std::string& name) const;
 
+ private:
+  friend class DeviceMesh;
   // 0, 1, 2, ... per call: names meshes consistently on all ranks (who build the same
   // meshes in the same order), so their groups get distinct names.
   int64_t next_mesh_id() { return mesh_count_++; }
 
- private:
   World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
         std::chrono::milliseconds timeout);
   GroupPtr make_group(const std::string& name, std::vector<int64_t> ranks,

@@ -146,8 +146,9 @@ GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
     }
 #endif
   }
-  return groups_[name] = std::make_shared<Group>(name, std::move(ranks), rank_in_group,
-                                                 std::move(cpu), std::move(cuda), store_);
+  // Not make_shared: the constructor is World's alone.
+  return groups_[name] = GroupPtr(new Group(name, std::move(ranks), rank_in_group, std::move(cpu),
+                                            std::move(cuda), store_));
 }
 
 std::shared_ptr<World> default_world() {
