@@ -230,9 +230,7 @@ inline void init_decoder_weights(torch::nn::Module& decoder, int64_t layers) {
     if (auto slice = hp::parallel_slice_of(param)) {
       std::vector<int64_t> whole_shape = param.sizes().vec();
       whole_shape[slice->dim] *= slice->group->size();
-      at::Tensor whole = param.new_empty(whole_shape).normal_(0.0, stddev);
-      const int64_t part = param.size(slice->dim);
-      param.copy_(whole.narrow(slice->dim, slice->group->rank() * part, part));
+      param.copy_(hp::slice_of(param.new_empty(whole_shape).normal_(0.0, stddev), *slice));
     } else {
       param.normal_(0.0, stddev);
     }

@@ -31,6 +31,9 @@ void declare_parallel_slice(const at::Tensor& param, ParallelSlice slice);
 // of the groups around it, or no such parallelism at all).
 std::optional<ParallelSlice> parallel_slice_of(const at::Tensor& param);
 
+// This rank's part of `whole` (a view): the slice `slice` describes for its group rank.
+at::Tensor slice_of(const at::Tensor& whole, const ParallelSlice& slice);
+
 // The whole tensor from this rank's `local` slice (a collective over slice.group: every
 // rank of it calls, with its own slice), a new tensor.
 at::Tensor join_parallel_slices(const at::Tensor& local, const ParallelSlice& slice);

@@ -52,7 +52,7 @@ std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
     if (p.parallel_slice) {
       throw std::invalid_argument(
           caller + ": '" + p.name +
-          "' is a tensor-parallel slice of a model that fully_shard does not manage, so the "
+          "' is a parallel slice of a model that fully_shard does not manage, so the "
           "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
           "is fine) or save a full checkpoint");
     }

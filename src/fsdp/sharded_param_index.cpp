@@ -44,10 +44,7 @@ at::Tensor whole_of(const ModelParam& p, const at::Tensor& slice) {
 }
 
 at::Tensor slice_of_whole(const ModelParam& p, const at::Tensor& whole) {
-  if (!p.parallel_slice) return whole;
-  const Group& group = *p.parallel_slice->group;
-  const int64_t part = whole.size(p.parallel_slice->dim) / group.size();
-  return whole.narrow(p.parallel_slice->dim, group.rank() * part, part);
+  return p.parallel_slice ? slice_of(whole, *p.parallel_slice) : whole;
 }
 
 bool writes_whole_tensors(torch::nn::Module& model) {

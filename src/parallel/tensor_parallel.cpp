@@ -42,10 +42,9 @@ std::pair<at::Tensor, at::Tensor> linear_parameters(int64_t in, int64_t out, boo
 at::Tensor register_slice(torch::nn::Module& module, const std::string& name,
                           const at::Tensor& whole, int64_t dim, const GroupPtr& group) {
   if (!is_parallel(group)) return module.register_parameter(name, whole);
-  const int64_t part = whole.size(dim) / group->size();
-  at::Tensor param =
-      module.register_parameter(name, whole.narrow(dim, group->rank() * part, part).clone());
-  declare_parallel_slice(param, {group, dim});
+  const ParallelSlice slice{group, dim};
+  at::Tensor param = module.register_parameter(name, slice_of(whole, slice).clone());
+  declare_parallel_slice(param, slice);
   return param;
 }
 

@@ -55,6 +55,11 @@ std::optional<ParallelSlice> parallel_slice_of(const at::Tensor& param) {
   return it->second.slice;
 }
 
+at::Tensor slice_of(const at::Tensor& whole, const ParallelSlice& slice) {
+  const int64_t part = whole.size(slice.dim) / slice.group->size();
+  return whole.narrow(slice.dim, slice.group->rank() * part, part);
+}
+
 at::Tensor join_parallel_slices(const at::Tensor& local, const ParallelSlice& slice) {
   const Group& group = *slice.group;
   at::Tensor contiguous = local.detach().contiguous();
