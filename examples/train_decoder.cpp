@@ -340,6 +340,14 @@ int train(const TrainOptions& o, const std::string& resolved) {
   auto model = hp::deferred_init([&] { return hp::Sharded<hp::models::Transformer>(config); });
   model->recompute_layers.assign(o.layers, o.recompute_impl());
   const int64_t full_params = numel_of(model->parameters(), /*whole=*/true);
+  // A token runs through top_k of each MoE layer's experts: only theirs count as its FLOPs.
+  double active_params = static_cast<double>(full_params);
+  for (auto& layer : model->layers) {
+    if (!layer->moe) continue;
+    const auto& moe = layer->moe->options;
+    active_params -= static_cast<double>(numel_of(layer->moe->experts->parameters(), true)) *
+                     (1.0 - static_cast<double>(moe.top_k) / static_cast<double>(moe.num_experts));
+  }
 
   hp::FullyShardOptions options;
   options.mesh = layout.dense_mesh;
@@ -559,10 +567,10 @@ int train(const TrainOptions& o, const std::string& resolved) {
     if (!sample.empty()) {
       std::printf("\nsample:\n%s%s\n\n", printable(o.prompt).c_str(), printable(sample).c_str());
     }
-    // PaLM's estimate: 6 FLOPs per parameter and token, plus attention's score and value
-    // products.
-    const double flops_per_token = 6.0 * static_cast<double>(full_params) +
-                                   12.0 * static_cast<double>(o.layers * o.dim * o.seq);
+    // PaLM's estimate: 6 FLOPs per active parameter and token, plus attention's score and
+    // value products.
+    const double flops_per_token =
+        6.0 * active_params + 12.0 * static_cast<double>(o.layers * o.dim * o.seq);
     const double achieved = tokens_per_s * flops_per_token;
     std::printf("peak RSS per rank (MiB):");
     for (int64_t r = 0; r < ranks; ++r) std::printf(" %.0f", all_rss[r].item<double>());

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "fsdp_internals.h"
 #include "fsdp_test_util.h"
 #include "models/mlp.h"
 
@@ -104,9 +105,9 @@ HP_DIST_TEST(FullyShardTraining, L2_02_FrozenParamsMixedTraining, 2) {
   EXPECT_TRUE(torch::equal(after.at("input.weight"), before.at("input.weight")));
   testing::expect_all_close(after, testing::reference_params(*f.reference), 1e-5, "param");
   // Block 1 is wholly frozen: its reduction never ran.
-  const auto stats = f.parts[1].second.reduce_buffer_stats();
+  const auto stats = testing::reduce_buffer_stats(f.parts[1].second);
   EXPECT_EQ(stats.freed_owned + stats.kept_aliased, 0);
-  const auto block0 = f.parts[0].second.reduce_buffer_stats();
+  const auto block0 = testing::reduce_buffer_stats(f.parts[0].second);
   EXPECT_EQ(block0.freed_owned + block0.kept_aliased, 2 * 4) << "4 params, 2 steps";
 }
 

@@ -6,10 +6,11 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "fsdp_internals.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/collectives.h"
 #include "models/mlp.h"
-#include "src/fsdp/param_group.h"
+#include "src/fsdp/fsdp_param_group.h"
 
 namespace hp {
 namespace {
@@ -136,7 +137,7 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
     std::vector<std::unique_ptr<detail::FSDPParam>> params;
     params.push_back(std::make_unique<detail::FSDPParam>("w", variable, 0, world->size(),
                                                          world->rank(), policy));
-    detail::GroupComm comm{
+    detail::FSDPMeshInfo mesh_info{
         world,
         {"dp_shard"},
         world->world_group(),
@@ -144,7 +145,7 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
         world->new_group("self" + c10::str(c.shape, c.reduce_dtype) + std::to_string(world->rank()),
                          {world->rank()}),
         world->world_group()};
-    detail::ParamGroup group(std::move(params), {}, comm, /*comm_fusion=*/false);
+    detail::FSDPParamGroup group(std::move(params), {}, mesh_info, /*comm_fusion=*/false);
     group.unshard(/*async=*/false);
 
     // The caller's gradient: this rank's values, kept by the caller after backward.
@@ -156,7 +157,7 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
     group.reshard();
     group.finish_reduce();
 
-    const ReduceBufferStats& stats = group.reduce_buffer_stats();
+    const detail::ReduceBufferStats& stats = group.reduce_buffer_stats();
     EXPECT_EQ(stats.freed_owned, c.expect_owned ? 1 : 0);
     EXPECT_EQ(stats.kept_aliased, c.expect_owned ? 0 : 1);
     ASSERT_EQ(caller_grad.storage().nbytes(), expected_caller_values.numel() * sizeof(float))
@@ -203,7 +204,7 @@ HP_DIST_TEST(Seed002, SameDtypeReduceTrainsCorrectly, 2) {
                               1e-5, "grad");
   }
   int64_t aliased = 0;
-  for (auto& [prefix, module] : parts) aliased += module.reduce_buffer_stats().kept_aliased;
+  for (auto& [prefix, module] : parts) aliased += testing::reduce_buffer_stats(module).kept_aliased;
   EXPECT_GT(aliased, 0) << "the aligned same-dtype path (the seed's trigger) was exercised";
 }
 

@@ -207,8 +207,18 @@ std::vector<StepResult> train_tp_fsdp(bool check_reference, const std::string& c
                                              grads, 1e-5);
       const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
       EXPECT_NEAR(norm, ref_norm, 1e-5) << "clip_grad_norm_ counts each slice once";
-      testing::expect_all_close(testing::full_grads(parts), testing::reference_grads(*reference),
-                                1e-5, "clipped grad");
+      const auto clipped = testing::full_grads(parts);
+      testing::expect_all_close(clipped, testing::reference_grads(*reference), 1e-5,
+                                "clipped grad");
+      // The reference steps on the (checked) gradients of the parallel model. AdamW moves
+      // a parameter by up to lr whatever its gradient's size, so gradients at rounding
+      // level (summed in another order on one process) would leave the parameters up to
+      // 4e-5 apart (measured on AMD EPYC) and compare the optimizers on different inputs.
+      torch::NoGradGuard no_grad;
+      for (auto& item : reference->named_parameters()) {
+        const at::Tensor& grad = clipped.at(item.key());
+        if (grad.defined()) item.value().mutable_grad().copy_(grad);
+      }
       ref_opt->step();
     }
     opt.step();

@@ -80,9 +80,18 @@ TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
   EXPECT_LT(std::stod(verdict[1]), std::stod(verdict[2]));
   // The closing report: a sample after the prompt, every rank's peak memory, the model
   // FLOPs utilisation against the measured matmul rate.
-  EXPECT_TRUE(std::regex_search(run.output,
-                                std::regex("\\[rank 0\\] sample:\n\\[rank 0\\] fully_shard\\(.+")))
+  std::smatch sample;
+  ASSERT_TRUE(
+      std::regex_search(run.output, sample,
+                        std::regex("\\[rank 0\\] sample:\n\\[rank 0\\] fully_shard\\(([\\s\\S]*?)"
+                                   "\n\\[rank 0\\] \n\\[rank 0\\] peak RSS")))
       << run.output;
+  // The 40 sampled bytes, newlines too (the launcher prefixes each line with the rank).
+  std::string sampled = sample[1];
+  for (size_t at = 0; (at = sampled.find("\n[rank 0] ", at)) != std::string::npos; ++at) {
+    sampled.erase(at + 1, 9);
+  }
+  EXPECT_EQ(sampled.size(), 40u) << sampled;
   EXPECT_TRUE(std::regex_search(run.output, std::regex("peak RSS per rank \\(MiB\\): [1-9][0-9]* "
                                                        "[1-9][0-9]*\n")))
       << run.output;
@@ -258,6 +267,10 @@ TEST(Trainer, TensorContextAndExpertParallelTrainLikeDataParallel) {
   const ProgramRun bad = train("", "--steps 2 --ep 3");
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_TRUE(contains(bad.output, "--ep (3) must divide the shards of --mesh (2)")) << bad.output;
+  const ProgramRun no_experts = train("", "--steps 2 --top-k 2");
+  EXPECT_EQ(no_experts.exit_code, 2) << no_experts.output;
+  EXPECT_TRUE(contains(no_experts.output, "--top-k applies to MoE layers, and there are none"))
+      << no_experts.output;
   const ProgramRun wrong_world = train("", "--steps 2 --tp 2");
   EXPECT_EQ(wrong_world.exit_code, 2) << wrong_world.output;
   EXPECT_TRUE(contains(wrong_world.output,

@@ -207,6 +207,9 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
                 std::to_string(o.shard) + "): the expert-parallel ranks are taken from them");
   } else if (o.ep > 1 && o.experts == 0) {
     usage_error("--ep " + std::to_string(o.ep) + " needs MoE layers: give --experts");
+  } else if (o.experts == 0 && (app.count("--top-k") > 0 || app.count("--balance-loss") > 0)) {
+    usage_error(std::string(app.count("--top-k") > 0 ? "--top-k" : "--balance-loss") +
+                " applies to MoE layers, and there are none: give --experts");
   } else if (o.experts > 0 && o.experts % o.ep != 0) {
     usage_error("--experts (" + std::to_string(o.experts) + ") must be divisible by --ep (" +
                 std::to_string(o.ep) + "): each expert-parallel rank holds experts / ep");

@@ -30,7 +30,6 @@
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/placement.h"
 #include "hyperparallel/policy.h"
-#include "hyperparallel/reduce_buffer_stats.h"
 
 namespace hp {
 
@@ -113,7 +112,6 @@ class FSDPModule {
   at::Tensor full_grad(const std::string& name) const;
   // apply_grad_on_fp32_main_grad: the fp32 gradient accumulator of a parameter.
   at::Tensor main_grad(const std::string& name) const;
-  ReduceBufferStats reduce_buffer_stats() const;
 
   bool operator==(const FSDPModule& other) const { return state_ == other.state_; }
 

@@ -29,11 +29,11 @@ struct GradPart {
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
   std::map<const c10::TensorImpl*, GradPart> sharded;
   for (const auto& state : detail::all_states()) {
-    detail::ParamGroup& group = state->group();
-    for (const auto& p : group.params()) {
+    detail::FSDPParamGroup& param_group = state->param_group();
+    for (const auto& p : param_group.params()) {
       // The sharded gradient wherever it is kept (also while the module is unsharded).
       sharded[p->variable().unsafeGetTensorImpl()] = {p->sharded_grad_or_undefined(),
-                                                      group.comm().shard.get()};
+                                                      param_group.mesh_info().shard.get()};
     }
   }
   std::vector<GradPart> parts;

@@ -1,7 +1,7 @@
 #pragma once
 // The data path of unshard and gradient reduction, as functions over a list of
 // parameters (the shape of FSDP2's foreach_all_gather / foreach_reduce). They keep no
-// state: ParamGroup owns the state machine and the backward schedule and calls these.
+// state: FSDPParamGroup owns the state machine and the backward schedule and calls these.
 // Device-neutral: each takes the process group it communicates over and returns the
 // buffers it made plus one handle for the collectives in flight.
 
@@ -12,9 +12,15 @@
 #include "fsdp_param.h"
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/process_group.h"
-#include "hyperparallel/reduce_buffer_stats.h"
 
 namespace hp::detail {
+
+// What gradient reduction did with reduce-scatter inputs (seed 002: the library frees
+// only buffers it allocated). Read by tests.
+struct ReduceBufferStats {
+  int64_t freed_owned = 0;   // buffers this library allocated, freed after use
+  int64_t kept_aliased = 0;  // views of the caller's gradient, left alone
+};
 
 struct AllGatherResult {
   CommHandle handle;

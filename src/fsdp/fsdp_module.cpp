@@ -17,7 +17,7 @@ std::vector<detail::StatePtr> targets(const detail::StatePtr& state, bool recurs
 }
 
 detail::FSDPParam* find_sharded(detail::FSDPState& state, const std::string& name) {
-  for (const auto& p : state.group().params()) {
+  for (const auto& p : state.param_group().params()) {
     if (p->name() == name) return p.get();
   }
   return nullptr;
@@ -26,8 +26,10 @@ detail::FSDPParam* find_sharded(detail::FSDPState& state, const std::string& nam
 // The names of the parameters a module manages, for error messages.
 std::string known_names(detail::FSDPState& state) {
   std::string names;
-  for (const auto& p : state.group().params()) names += (names.empty() ? "" : ", ") + p->name();
-  for (const auto& r : state.group().replicated()) names += (names.empty() ? "" : ", ") + r.name;
+  for (const auto& p : state.param_group().params())
+    names += (names.empty() ? "" : ", ") + p->name();
+  for (const auto& r : state.param_group().replicated())
+    names += (names.empty() ? "" : ", ") + r.name;
   return names;
 }
 
@@ -43,11 +45,11 @@ FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::m
   if (!state_) throw std::invalid_argument("FSDPModule needs a fully_shard state");
 }
 
-CommHandle FSDPModule::unshard(bool async_op) { return state_->group().unshard(async_op); }
+CommHandle FSDPModule::unshard(bool async_op) { return state_->param_group().unshard(async_op); }
 
-void FSDPModule::reshard() { state_->group().reshard(); }
+void FSDPModule::reshard() { state_->param_group().reshard(); }
 
-bool FSDPModule::is_unsharded() const { return state_->group().is_unsharded(); }
+bool FSDPModule::is_unsharded() const { return state_->param_group().is_unsharded(); }
 
 void FSDPModule::set_requires_gradient_sync(bool value, bool recurse) {
   for (auto& s : targets(state_, recurse)) s->set_requires_gradient_sync(value);
@@ -90,17 +92,17 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
 }
 
 void FSDPModule::zero_grad() {
-  for (auto& s : state_->subtree()) s->group().zero_grad();
+  for (auto& s : state_->subtree()) s->param_group().zero_grad();
 }
 
 std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
   std::vector<ShardedParamInfo> infos;
-  const std::vector<std::string>& dims = state_->group().comm().dims;
-  for (const auto& p : state_->group().params()) {
+  const std::vector<std::string>& dims = state_->param_group().mesh_info().dims;
+  for (const auto& p : state_->param_group().params()) {
     infos.push_back({p->name(), p->layout().global_shape, p->layout().local_shape(),
                      Placement::shard(p->layout().dim), dims});
   }
-  for (const auto& r : state_->group().replicated()) {
+  for (const auto& r : state_->param_group().replicated()) {
     infos.push_back(
         {r.name, r.variable.sizes().vec(), r.variable.sizes().vec(), Placement::replicate(), dims});
   }
@@ -110,10 +112,10 @@ std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
 at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   c10::NoGradGuard no_grad;
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) {
-    return whole_of(p->variable(),
-                    detail::gather_whole(*p, p->padded_shard(), *state_->group().comm().shard));
+    return whole_of(p->variable(), detail::gather_whole(*p, p->padded_shard(),
+                                                        *state_->param_group().mesh_info().shard));
   }
-  for (const auto& r : state_->group().replicated()) {
+  for (const auto& r : state_->param_group().replicated()) {
     if (r.name == name) return whole_of(r.variable, r.variable.detach().clone());
   }
   throw std::invalid_argument("no parameter '" + name +
@@ -127,12 +129,12 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     at::Tensor grad = p->sharded_grad_or_undefined();
     // Every rank must join the collective; "no gradient" travels as a flag.
     at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
-    all_reduce(has_grad, ReduceOp::kMin, *state_->group().comm().shard).wait();
+    all_reduce(has_grad, ReduceOp::kMin, *state_->param_group().mesh_info().shard).wait();
     if (has_grad.item<float>() == 0.0f) return {};
     return whole_of(p->variable(), detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()),
-                                                        *state_->group().comm().shard));
+                                                        *state_->param_group().mesh_info().shard));
   }
-  for (const auto& r : state_->group().replicated()) {
+  for (const auto& r : state_->param_group().replicated()) {
     if (r.name == name) {
       return r.variable.grad().defined() ? whole_of(r.variable, r.variable.grad().clone())
                                          : at::Tensor();
@@ -148,10 +150,6 @@ at::Tensor FSDPModule::main_grad(const std::string& name) const {
   throw std::invalid_argument("no sharded parameter '" + name +
                               "' in this fully_shard-ed module (it has: " + known_names(*state_) +
                               ")");
-}
-
-ReduceBufferStats FSDPModule::reduce_buffer_stats() const {
-  return state_->group().reduce_buffer_stats();
 }
 
 }  // namespace hp

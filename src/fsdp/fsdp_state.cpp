@@ -40,10 +40,10 @@ bool graph_will_be_backpropagated() {
 
 }  // namespace
 
-FSDPState::FSDPState(std::unique_ptr<ParamGroup> group, MixedPrecisionPolicy mp,
+FSDPState::FSDPState(std::unique_ptr<FSDPParamGroup> param_group, MixedPrecisionPolicy mp,
                      std::optional<bool> reshard_after_forward,
                      std::function<std::vector<LabeledState>()> subtree)
-    : group_(std::move(group)),
+    : param_group_(std::move(param_group)),
       mp_(mp),
       reshard_after_forward_(reshard_after_forward),
       subtree_(std::move(subtree)) {}
@@ -91,8 +91,9 @@ ReduceSettings FSDPState::reduce_settings() const {
   ReduceSettings settings;
   settings.sync = requires_gradient_sync_;
   settings.all_reduce = requires_all_reduce_;
-  const auto& comm = group_->comm();
-  const double data_parallel = static_cast<double>(comm.shard->size() * comm.replicate->size());
+  const auto& mesh_info = param_group_->mesh_info();
+  const double data_parallel =
+      static_cast<double>(mesh_info.shard->size() * mesh_info.replicate->size());
   settings.divide_factor =
       divide_factor_.value_or(reduce_op_ == ReduceOp::kAvg ? data_parallel : 1.0);
   return settings;
@@ -119,12 +120,12 @@ void FSDPState::lazy_init_as_root() {
   for (auto& [label, state] : driven) {
     state->root_ = weak_from_this();
     state->label_ = state.get() == this ? "root" : label;
-    state->group_->set_label(state->label_);
+    state->param_group_->set_label(state->label_);
     tree_.push_back(state);
   }
 }
 
-void FSDPState::finish_pending_reductions() { group_->finish_reduce(); }
+void FSDPState::finish_pending_reductions() { param_group_->finish_reduce(); }
 
 FSDPState* FSDPState::implicit_forward_prefetch_target() {
   auto root = root_.lock();
@@ -156,13 +157,13 @@ void FSDPState::unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>
   // This module's all-gather (unless a prefetch issued it already) and the prefetch are
   // both issued before waiting: the prefetch then starts as soon as the first one is
   // done, not after this thread has woken up and come back here.
-  group_->unshard(/*async=*/true);
+  param_group_->unshard(/*async=*/true);
   if (!explicit_list.empty()) {
-    for_each_live(explicit_list, [](FSDPState& s) { s.group_->unshard(/*async=*/true); });
+    for_each_live(explicit_list, [](FSDPState& s) { s.param_group_->unshard(/*async=*/true); });
   } else if (implicit_next) {
-    implicit_next->group_->unshard(/*async=*/true);
+    implicit_next->param_group_->unshard(/*async=*/true);
   }
-  group_->wait_for_unshard();
+  param_group_->wait_for_unshard();
 }
 
 void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
@@ -217,7 +218,7 @@ void FSDPState::forward_failed() {
 
 void FSDPState::reshard_after_error() noexcept {
   try {
-    group_->reshard();
+    param_group_->reshard();
   } catch (...) {  // secondary to the error being handled
   }
 }
@@ -231,7 +232,7 @@ void FSDPState::abandon_backward() {
     s.post_backward_hooks_pending_ = 0;
     // Reductions of the failed backward hold partial gradients: dropped, never installed
     // (after a zero_grad they would otherwise reappear in the next step).
-    s.group_->discard_reduce();
+    s.param_group_->discard_reduce();
     s.reshard_after_error();
   });
 }
@@ -253,11 +254,11 @@ void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (!c10::GradMode::is_enabled()) {
     // No backward follows (evaluation): keeping parameters gathered would only let an
     // optimizer step in between act on stale copies.
-    group_->reshard();
-  } else if (group_->has_post_forward_group()) {
-    group_->reshard_to_post_forward_group();
+    param_group_->reshard();
+  } else if (param_group_->has_post_forward_group()) {
+    param_group_->reshard_to_post_forward_group();
   } else if (reshard_after_forward()) {
-    group_->reshard();
+    param_group_->reshard();
   }
   if (mp_.output_dtype) cast_floating(outputs, *mp_.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs, weak_from_this());
@@ -269,8 +270,8 @@ void FSDPState::recompute_pre_forward(const std::vector<at::Tensor*>& inputs) {
   // forward. The parameters stay gathered afterwards, for the backward that follows.
   recomputing_ = true;
   trace::record(trace::Kind::kBegin, "recompute", label_);
-  group_->unshard(/*async=*/true);
-  group_->wait_for_unshard();
+  param_group_->unshard(/*async=*/true);
+  param_group_->wait_for_unshard();
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
   // A reentrant recompute backpropagates through the recompute (a nested backward):
   // this module's gradients are reduced from there.
@@ -302,7 +303,7 @@ void FSDPState::begin_backward() {
     });
   }
   trace::record(trace::Kind::kBegin, "backward", label_);
-  group_->stash_replicated_grads();
+  param_group_->stash_replicated_grads();
   // Backward prefetch: the next module (in backward order) gathers during this
   // module's backward.
   unshard_then_prefetch(backward_prefetch_, implicit_backward_prefetch_target());
@@ -318,20 +319,20 @@ void FSDPState::post_backward() {
   if (!in_backward_ || post_backward_done_) return;
   post_backward_done_ = true;
   trace::record(trace::Kind::kEnd, "backward", label_);
-  group_->finish_reduce();  // one left pending by set_is_last_backward(false)
+  param_group_->finish_reduce();  // one left pending by set_is_last_backward(false)
   auto root = root_.lock();
   std::shared_ptr<FSDPState> previous = root ? root->previous_reducer_.lock() : nullptr;
   // The 4-step pipeline: reduce-scatter (shard dim) of this module and all-reduce
   // (replicate dim) of the previous one are in flight with the next module's backward
   // and its all-gather.
-  if (previous) previous->group_->wait_reduce_scatter();  // 1 + 2 (pure FSDP: installed)
-  group_->start_reduce(reduce_settings());                // 3
-  if (previous) previous->group_->start_all_reduce();     // 4
-  if (root && group_->reduce_pending()) {
+  if (previous) previous->param_group_->wait_reduce_scatter();  // 1 + 2 (pure FSDP: installed)
+  param_group_->start_reduce(reduce_settings());                // 3
+  if (previous) previous->param_group_->start_all_reduce();     // 4
+  if (root && param_group_->reduce_pending()) {
     root->previous_reducer_ = weak_from_this();
     root->reducers_.push_back(weak_from_this());
   }
-  if (reshard_after_backward_) group_->reshard();
+  if (reshard_after_backward_) param_group_->reshard();
 }
 
 void FSDPState::root_post_backward_final_callback() {
@@ -343,7 +344,7 @@ void FSDPState::end_backward() {
   // States whose inputs needed no gradient (the root itself, typically) never saw
   // their post-backward hook fire: run it now.
   for_each_live(tree_, [](FSDPState& s) { s.post_backward(); });
-  if (auto last = previous_reducer_.lock()) last->group_->start_all_reduce();
+  if (auto last = previous_reducer_.lock()) last->param_group_->start_all_reduce();
   previous_reducer_.reset();
   if (is_last_backward_) {
     // All outstanding all-reduces are waited once, here, in the order they were issued.
@@ -353,7 +354,7 @@ void FSDPState::end_backward() {
   for_each_live(tree_, [](FSDPState& s) {
     s.in_backward_ = false;
     // A module prefetched but not run (control flow changed) must not stay gathered.
-    if (s.reshard_after_backward_) s.group_->reshard();
+    if (s.reshard_after_backward_) s.param_group_->reshard();
   });
 }
 

@@ -11,9 +11,9 @@
 #include <optional>
 #include <vector>
 
+#include "fsdp_param_group.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/policy.h"
-#include "param_group.h"
 
 namespace hp::detail {
 
@@ -25,11 +25,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   // `subtree` lists the states of this module's subtree (this one first), in module
   // order; it is asked when this state becomes a root.
-  FSDPState(std::unique_ptr<ParamGroup> group, MixedPrecisionPolicy mp,
+  FSDPState(std::unique_ptr<FSDPParamGroup> param_group, MixedPrecisionPolicy mp,
             std::optional<bool> reshard_after_forward,
             std::function<std::vector<LabeledState>()> subtree);
 
-  ParamGroup& group() { return *group_; }
+  FSDPParamGroup& param_group() { return *param_group_; }
   const MixedPrecisionPolicy& mp_policy() const { return mp_; }
 
   // --- hooks (called by the module adapter and by autograd) ---------------------
@@ -52,7 +52,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool initialized() const { return !root_.expired(); }
   void set_reshard_after_forward(bool value) {
     reshard_after_forward_ = value;
-    group_->set_post_forward_group(nullptr);
+    param_group_->set_post_forward_group(nullptr);
   }
   void set_reshard_after_backward(bool value) { reshard_after_backward_ = value; }
   void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
@@ -104,7 +104,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void root_post_backward_final_callback();
   ReduceSettings reduce_settings() const;
 
-  std::unique_ptr<ParamGroup> group_;
+  std::unique_ptr<FSDPParamGroup> param_group_;
   MixedPrecisionPolicy mp_;
   std::optional<bool> reshard_after_forward_;  // unset: not for the root, yes otherwise
   bool reshard_after_backward_ = true;

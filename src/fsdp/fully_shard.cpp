@@ -1,5 +1,5 @@
 // fully_shard(): decides which parameters a call manages and how, builds their
-// FSDPParams, the ParamGroup and the FSDPState, and links the modules to the state.
+// FSDPParams, the FSDPParamGroup and the FSDPState, and links the modules to the state.
 #include "hyperparallel/fully_shard.h"
 
 #include <ATen/ATen.h>
@@ -9,9 +9,9 @@
 #include <stdexcept>
 
 #include "fsdp_param.h"
+#include "fsdp_param_group.h"
 #include "fsdp_state.h"
 #include "hyperparallel/parallel_slice.h"
-#include "param_group.h"
 #include "state_registry.h"
 
 namespace hp {
@@ -27,28 +27,29 @@ DeviceMesh default_mesh() {
   return mesh;
 }
 
-detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
+detail::FSDPMeshInfo resolve_mesh(const std::optional<DeviceMesh>& requested) {
   DeviceMesh mesh = requested ? *requested : default_mesh();
-  detail::GroupComm comm;
-  comm.world = mesh.world();
+  detail::FSDPMeshInfo mesh_info;
+  mesh_info.world = mesh.world();
   // Reduce-scatters get their own group over the shard ranks, created once per shard
   // group by every member (in fully_shard order, the same on all ranks).
   auto reduce_group_of = [&](const GroupPtr& shard) {
     const std::string name = shard->name() + "/reduce";
-    GroupPtr group = comm.world->find_group(name);
-    return group ? group : comm.world->new_group(name, shard->ranks());
+    GroupPtr group = mesh_info.world->find_group(name);
+    return group ? group : mesh_info.world->new_group(name, shard->ranks());
   };
   const std::vector<std::string> dims = mesh.dim_names();
-  comm.dims = dims;
+  mesh_info.dims = dims;
   if (dims.size() == 1) {
-    comm.shard = mesh.group(dims[0]);
-    comm.shard_reduce = reduce_group_of(comm.shard);
+    mesh_info.shard = mesh.group(dims[0]);
+    mesh_info.shard_reduce = reduce_group_of(mesh_info.shard);
     // No replicate dimension: a group of this rank alone (no backend, no rendezvous).
-    const std::string self = "self/" + std::to_string(comm.world->rank());
-    comm.replicate = comm.world->find_group(self);
-    if (!comm.replicate) comm.replicate = comm.world->new_group(self, {comm.world->rank()});
-    comm.data_parallel = comm.shard;
-    return comm;
+    const std::string self = "self/" + std::to_string(mesh_info.world->rank());
+    mesh_info.replicate = mesh_info.world->find_group(self);
+    if (!mesh_info.replicate)
+      mesh_info.replicate = mesh_info.world->new_group(self, {mesh_info.world->rank()});
+    mesh_info.data_parallel = mesh_info.shard;
+    return mesh_info;
   }
   if (dims.size() != 2) {
     throw std::invalid_argument(
@@ -58,14 +59,14 @@ detail::GroupComm resolve_mesh(const std::optional<DeviceMesh>& requested) {
         "after mesh.flatten({\"dp_shard\", \"cp\"}, \"dp_shard_cp\"), "
         "mesh.slice({\"dp_replicate\", \"dp_shard_cp\"})");
   }
-  comm.replicate = mesh.group(dims[0]);
-  comm.shard = mesh.group(dims[1]);
-  comm.shard_reduce = reduce_group_of(comm.shard);
+  mesh_info.replicate = mesh.group(dims[0]);
+  mesh_info.shard = mesh.group(dims[1]);
+  mesh_info.shard_reduce = reduce_group_of(mesh_info.shard);
   // The flattened group is created once per mesh, by every rank in the same order (the
   // first fully_shard with this mesh), like the mesh's own groups.
   const std::string flat = dims[0] + "+" + dims[1];
-  comm.data_parallel = mesh.has_group(flat) ? mesh.group(flat) : mesh.flatten(dims, flat);
-  return comm;
+  mesh_info.data_parallel = mesh.has_group(flat) ? mesh.group(flat) : mesh.flatten(dims, flat);
+  return mesh_info;
 }
 
 // The states of the subtrees of `roots`, named by module path ("" for a root).
@@ -90,11 +91,12 @@ std::vector<detail::LabeledState> states_in_subtree(
 // reshard_after_forward: whether to reshard after forward, and for an int k, the group
 // of k consecutive shard ranks this rank reshards to.
 std::pair<std::optional<bool>, GroupPtr> resolve_reshard_after_forward(
-    const std::optional<std::variant<bool, int64_t>>& option, const detail::GroupComm& comm) {
+    const std::optional<std::variant<bool, int64_t>>& option,
+    const detail::FSDPMeshInfo& mesh_info) {
   if (!option) return {std::nullopt, nullptr};
   if (const bool* flag = std::get_if<bool>(&*option)) return {*flag, nullptr};
   const int64_t k = std::get<int64_t>(*option);
-  const Group& shard = *comm.shard;
+  const Group& shard = *mesh_info.shard;
   if (k <= 0 || shard.size() % k != 0) {
     throw std::invalid_argument(
         "reshard_after_forward=" + std::to_string(k) + " must divide the shard group size " +
@@ -108,8 +110,8 @@ std::pair<std::optional<bool>, GroupPtr> resolve_reshard_after_forward(
   // Shared by every fully_shard call with this shard group and k.
   const std::string name =
       shard.name() + "/post_forward" + std::to_string(k) + "/" + std::to_string(block);
-  GroupPtr group = comm.world->find_group(name);
-  if (!group) group = comm.world->new_group(name, std::move(ranks));
+  GroupPtr group = mesh_info.world->find_group(name);
+  if (!group) group = mesh_info.world->new_group(name, std::move(ranks));
   return {true, group};
 }
 
@@ -124,9 +126,9 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
                                   m.module()->name() + "); apply it once per module");
     }
   }
-  detail::GroupComm comm = resolve_mesh(options.mesh);
+  detail::FSDPMeshInfo mesh_info = resolve_mesh(options.mesh);
   auto [reshard_after_forward, post_forward_group] =
-      resolve_reshard_after_forward(options.reshard_after_forward, comm);
+      resolve_reshard_after_forward(options.reshard_after_forward, mesh_info);
 
   // Parameters a fully_shard-ed submodule manages belong to it, whole subtree included.
   std::set<const c10::TensorImpl*> taken;
@@ -159,8 +161,10 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   // Parameters another fully_shard call already manages (an ancestor sharded first).
   std::set<const c10::TensorImpl*> managed_elsewhere;
   for (const auto& state : detail::all_states()) {
-    for (const auto& p : state->group().params()) managed_elsewhere.insert(key(p->variable()));
-    for (const auto& r : state->group().replicated()) managed_elsewhere.insert(key(r.variable));
+    for (const auto& p : state->param_group().params())
+      managed_elsewhere.insert(key(p->variable()));
+    for (const auto& r : state->param_group().replicated())
+      managed_elsewhere.insert(key(r.variable));
   }
   for (const auto& [name, param] : candidates) {
     if (!taken.count(key(param)) && managed_elsewhere.count(key(param))) {
@@ -180,7 +184,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
     if (!slice) continue;
     const std::vector<int64_t>& holders = slice->group->ranks();
     const auto shared = std::count_if(
-        comm.data_parallel->ranks().begin(), comm.data_parallel->ranks().end(),
+        mesh_info.data_parallel->ranks().begin(), mesh_info.data_parallel->ranks().end(),
         [&](int64_t r) { return std::find(holders.begin(), holders.end(), r) != holders.end(); });
     if (shared > 1) {
       throw std::invalid_argument(
@@ -223,17 +227,17 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
                                   "; the shard dim must be in [0, " + std::to_string(param.dim()) +
                                   ")");
     }
-    sharded.push_back(std::make_unique<detail::FSDPParam>(name, param, dim, comm.shard->size(),
-                                                          comm.shard->rank(), policy));
+    sharded.push_back(std::make_unique<detail::FSDPParam>(name, param, dim, mesh_info.shard->size(),
+                                                          mesh_info.shard->rank(), policy));
   }
 
-  auto group = std::make_unique<detail::ParamGroup>(std::move(sharded), std::move(replicas), comm,
-                                                    options.comm_fusion);
-  group->set_post_forward_group(post_forward_group);
+  auto param_group = std::make_unique<detail::FSDPParamGroup>(
+      std::move(sharded), std::move(replicas), mesh_info, options.comm_fusion);
+  param_group->set_post_forward_group(post_forward_group);
   std::vector<std::weak_ptr<torch::nn::Module>> roots;
   for (const auto& m : modules) roots.push_back(m.module());
   auto state =
-      std::make_shared<FSDPState>(std::move(group), options.mp_policy, reshard_after_forward,
+      std::make_shared<FSDPState>(std::move(param_group), options.mp_policy, reshard_after_forward,
                                   [roots] { return states_in_subtree(roots); });
   std::vector<FSDPModule> result;
   for (const auto& m : modules) {

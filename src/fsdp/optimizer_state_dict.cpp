@@ -16,10 +16,10 @@
 
 #include "checkpoint_sink.h"
 #include "fsdp_param.h"
+#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
-#include "param_group.h"
 #include "sharded_param_index.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
@@ -114,7 +114,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
     if (p.shard) {
       // Every rank of the shard group joins each gather: agree on whether there is one.
       at::Tensor has_state = at::full({1}, param_state ? 1.0f : 0.0f);
-      all_reduce(has_state, ReduceOp::kMin, *p.shard->comm->shard).wait();
+      all_reduce(has_state, ReduceOp::kMin, *p.shard->mesh_info->shard).wait();
       if (has_state.item<float>() == 0.0f) continue;
     } else if (!param_state) {
       continue;
@@ -127,7 +127,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
       const at::Tensor slice =
           p.shard ? detail::gather_whole(*p.shard->param,
                                          p.shard->param->pad_local(local, local.scalar_type()),
-                                         *p.shard->comm->shard)
+                                         *p.shard->mesh_info->shard)
                   : local;
       const at::Tensor whole = detail::whole_of(p, slice);
       const bool fresh = p.shard.has_value() || p.parallel_slice.has_value();

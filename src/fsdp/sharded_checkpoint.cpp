@@ -17,9 +17,9 @@
 #include "../runtime/durable_files.h"
 #include "checkpoint_index.h"
 #include "fsdp_param.h"
+#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
-#include "param_group.h"
 #include "safetensors_file.h"
 #include "sharded_param_index.h"
 #include "state_io.h"
@@ -46,7 +46,7 @@ std::string rank_file(int64_t rank) {
 std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
                                 const std::string& caller) {
   for (const auto& p : params) {
-    if (p.shard) return p.shard->comm->world;
+    if (p.shard) return p.shard->mesh_info->world;
   }
   for (const auto& p : params) {
     if (p.parallel_slice) {
@@ -135,7 +135,7 @@ RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::
       continue;
     }
     const detail::ShardLayout& layout = p.shard->param->layout();
-    if (p.shard->comm->replicate->rank() != 0) continue;
+    if (p.shard->mesh_info->replicate->rank() != 0) continue;
     if (layout.local > 0) {
       std::vector<int64_t> offsets = slice_offsets;
       offsets[layout.dim] += layout.start();

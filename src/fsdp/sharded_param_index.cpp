@@ -2,8 +2,8 @@
 
 #include <stdexcept>
 
+#include "fsdp_param_group.h"
 #include "fsdp_state.h"
-#include "param_group.h"
 #include "state_registry.h"
 
 namespace hp::detail {
@@ -11,9 +11,9 @@ namespace hp::detail {
 std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params() {
   std::map<const c10::TensorImpl*, ShardedParam> found;
   for (const auto& state : all_states()) {
-    ParamGroup& group = state->group();
-    for (const auto& p : group.params()) {
-      found[p->variable().unsafeGetTensorImpl()] = {p.get(), &group.comm()};
+    FSDPParamGroup& param_group = state->param_group();
+    for (const auto& p : param_group.params()) {
+      found[p->variable().unsafeGetTensorImpl()] = {p.get(), &param_group.mesh_info()};
     }
   }
   return found;
@@ -53,7 +53,7 @@ bool writes_whole_tensors(torch::nn::Module& model) {
     if (p.parallel_slice && p.parallel_slice->group->rank() != 0) return false;
   }
   for (const ModelParam& p : params) {
-    if (p.shard) return p.shard->comm->data_parallel->rank() == 0;
+    if (p.shard) return p.shard->mesh_info->data_parallel->rank() == 0;
   }
   return true;
 }

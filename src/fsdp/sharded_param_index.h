@@ -15,11 +15,11 @@
 namespace hp::detail {
 
 class FSDPParam;
-struct GroupComm;
+struct FSDPMeshInfo;
 
 struct ShardedParam {
   FSDPParam* param;
-  const GroupComm* comm;  // the process groups of its fully_shard call
+  const FSDPMeshInfo* mesh_info;  // the process groups of its fully_shard call
 };
 
 // Every sharded parameter of every live fully_shard state, by its variable's TensorImpl.

@@ -11,8 +11,8 @@
 
 #include "checkpoint_sink.h"
 #include "fsdp_param.h"
+#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
-#include "param_group.h"
 #include "sharded_param_index.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
@@ -39,7 +39,7 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
     if (p.shard) {
       const detail::FSDPParam& param = *p.shard->param;
       const at::Tensor slice =
-          detail::gather_whole(param, param.padded_shard(), *p.shard->comm->shard);
+          detail::gather_whole(param, param.padded_shard(), *p.shard->mesh_info->shard);
       visit(p.name, detail::whole_of(p, slice).to(at::kCPU));
     } else {
       visit(p.name, detail::whole_of(p, p.variable.detach())

@@ -1,4 +1,4 @@
-#include "param_group.h"
+#include "fsdp_param_group.h"
 
 #include <ATen/ATen.h>
 
@@ -11,11 +11,12 @@
 
 namespace hp::detail {
 
-ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
-                       std::vector<ReplicatedParam> replicated, GroupComm comm, bool comm_fusion)
+FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
+                               std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
+                               bool comm_fusion)
     : params_(std::move(params)),
       replicated_(std::move(replicated)),
-      comm_(std::move(comm)),
+      mesh_info_(std::move(mesh_info)),
       comm_fusion_(comm_fusion) {
   if (comm_fusion_) {
     for (const auto& p : params_) {
@@ -29,12 +30,12 @@ ParamGroup::ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
   }
 }
 
-void ParamGroup::set_label(std::string label) {
+void FSDPParamGroup::set_label(std::string label) {
   for (auto& p : params_) p->set_owner(label);
   label_ = std::move(label);
 }
 
-CommHandle ParamGroup::unshard(bool async) {
+CommHandle FSDPParamGroup::unshard(bool async) {
   if (state_ == State::kSharded) {
     state_ = State::kPending;
     trace::record(trace::Kind::kIssue, "all_gather", label_);
@@ -49,7 +50,7 @@ CommHandle ParamGroup::unshard(bool async) {
   return state_ == State::kPending ? pending_unshard_ : CommHandle();
 }
 
-void ParamGroup::wait_for_unshard() {
+void FSDPParamGroup::wait_for_unshard() {
   if (state_ != State::kPending) return;
   trace::record(trace::Kind::kWaitBegin, "all_gather", label_);
   try {
@@ -66,7 +67,7 @@ void ParamGroup::wait_for_unshard() {
   pending_unshard_ = CommHandle();
 }
 
-void ParamGroup::reshard() {
+void FSDPParamGroup::reshard() {
   // A pending collective is let finish (its buffers are in use) but installs nothing
   // (its completion checks the state); what it gathered is freed below.
   CommHandle abandoned = std::exchange(pending_unshard_, CommHandle());
@@ -83,7 +84,7 @@ void ParamGroup::reshard() {
   if (error) std::rethrow_exception(error);
 }
 
-void ParamGroup::reshard_to_post_forward_group() {
+void FSDPParamGroup::reshard_to_post_forward_group() {
   wait_for_unshard();
   if (state_ != State::kUnsharded) return;
   const int64_t parts = post_forward_group_->size();
@@ -93,9 +94,9 @@ void ParamGroup::reshard_to_post_forward_group() {
   post_forward_parts_ = std::move(kept);
 }
 
-CommHandle ParamGroup::issue_all_gather() {
+CommHandle FSDPParamGroup::issue_all_gather() {
   // Every path installs only if the unshard is still wanted when it completes.
-  if (comm_.shard->size() == 1 || params_.empty()) {
+  if (mesh_info_.shard->size() == 1 || params_.empty()) {
     // No communication: record the pending unshard; materialise from the latest shard
     // when someone waits (seed 000).
     return CommHandle::deferred([this] {
@@ -107,7 +108,7 @@ CommHandle ParamGroup::issue_all_gather() {
   std::vector<FSDPParam*> params;
   for (auto& p : params_) params.push_back(p.get());
   std::vector<CommBuffer> inputs;
-  const Group* group = comm_.shard.get();
+  const Group* group = mesh_info_.shard.get();
   if (!post_forward_parts_.empty()) {
     // Resharded to a smaller group after forward: gather within it only.
     for (at::Tensor& part : post_forward_parts_) inputs.push_back({std::move(part), true});
@@ -117,7 +118,7 @@ CommHandle ParamGroup::issue_all_gather() {
     for (FSDPParam* p : params) inputs.push_back(p->all_gather_input());
   }
   auto result = std::make_shared<AllGatherResult>(
-      all_gather_params(params, inputs, *group, comm_fusion_ && group == comm_.shard.get()));
+      all_gather_params(params, inputs, *group, comm_fusion_ && group == mesh_info_.shard.get()));
   return CommHandle::after({result->handle}, [this, params, result] {
     if (state_ != State::kPending) return;
     copy_out_all_gather(params, *result);
@@ -125,12 +126,12 @@ CommHandle ParamGroup::issue_all_gather() {
   });
 }
 
-void ParamGroup::install_unsharded() {
+void FSDPParamGroup::install_unsharded() {
   for (auto& p : params_) p->install_unsharded();
   state_ = State::kUnsharded;
 }
 
-void ParamGroup::stash_replicated_grads() {
+void FSDPParamGroup::stash_replicated_grads() {
   for (auto& rp : replicated_) {
     // The variable's gradient is what the user last saw (an optimizer's zero_grad may
     // have cleared it): that, not an older copy, is what new gradients add to.
@@ -139,7 +140,7 @@ void ParamGroup::stash_replicated_grads() {
   }
 }
 
-void ParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
+void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
   for (auto& rp : replicated_) {
     at::Tensor grad = rp.variable.grad();
     rp.variable.mutable_grad() = rp.reduced_grad;
@@ -155,11 +156,11 @@ void ParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     grad = grad.contiguous();
     pending_->replicated.emplace_back(&rp, grad);
     pending_->replicated_all_reduces.push_back(
-        all_reduce(grad, ReduceOp::kSum, *comm_.data_parallel));
+        all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel));
   }
 }
 
-void ParamGroup::start_reduce(const ReduceSettings& settings) {
+void FSDPParamGroup::start_reduce(const ReduceSettings& settings) {
   if (pending_) {
     throw std::logic_error("a gradient reduction is still pending for this module");
   }
@@ -172,7 +173,7 @@ void ParamGroup::start_reduce(const ReduceSettings& settings) {
   }
 }
 
-void ParamGroup::issue_reduce(const ReduceSettings& settings) {
+void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   PendingReduce& r = *pending_;
   r.settings = settings;
   std::vector<at::Tensor> grads;
@@ -194,11 +195,11 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
   }
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
-  r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *comm_.shard_reduce,
+  r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
                                    comm_fusion_, stats_);
 }
 
-void ParamGroup::wait_reduce_scatter() {
+void FSDPParamGroup::wait_reduce_scatter() {
   if (!pending_ || pending_->reduce_scatters_done) return;
   PendingReduce& r = *pending_;
   r.reduce_scatters_done = true;
@@ -217,14 +218,14 @@ void ParamGroup::wait_reduce_scatter() {
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones.
   if (r.settings.divide_factor != 1.0) r.scatter.buffer.div_(r.settings.divide_factor);
-  const bool has_replicas = comm_.replicate->size() > 1;
+  const bool has_replicas = mesh_info_.replicate->size() > 1;
   if (!has_replicas || !r.settings.all_reduce) {
     r.partial = has_replicas;
     install_sharded_grads(r);
   }
 }
 
-void ParamGroup::start_all_reduce() {
+void FSDPParamGroup::start_all_reduce() {
   wait_reduce_scatter();
   if (!pending_ || pending_->all_reduce_started) return;
   PendingReduce& r = *pending_;
@@ -238,19 +239,19 @@ void ParamGroup::start_all_reduce() {
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
   trace::record(trace::Kind::kIssue, "all_reduce", label_);
   try {
-    r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *comm_.replicate);
+    r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *mesh_info_.replicate);
   } catch (...) {
     discard_reduce();
     throw;
   }
 }
 
-void ParamGroup::install_sharded_grads(PendingReduce& r) {
+void FSDPParamGroup::install_sharded_grads(PendingReduce& r) {
   install_reduced_grads(r.params, r.scatter.buffer, r.scatter.offsets, r.partial);
   r.params.clear();
 }
 
-void ParamGroup::finish_reduce() {
+void FSDPParamGroup::finish_reduce() {
   if (!pending_) return;
   start_all_reduce();
   PendingReduce& pending = *pending_;
@@ -275,7 +276,7 @@ void ParamGroup::finish_reduce() {
   }
 }
 
-void ParamGroup::discard_reduce() {
+void FSDPParamGroup::discard_reduce() {
   if (!pending_) return;
   PendingReduce r = std::move(*pending_);
   pending_.reset();
@@ -286,7 +287,7 @@ void ParamGroup::discard_reduce() {
   release_reduce_inputs(r.scatter.inputs, stats_);
 }
 
-void ParamGroup::zero_grad() {
+void FSDPParamGroup::zero_grad() {
   finish_reduce();  // a reduction still in flight would land after the clear
   for (auto& p : params_) p->zero_grad();
   for (auto& rp : replicated_) {

@@ -18,13 +18,12 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/process_group.h"
-#include "hyperparallel/reduce_buffer_stats.h"
 
 namespace hp::detail {
 
 // Process groups of one fully_shard call. All-gather, reduce-scatter and all-reduce
 // each have their own group, so that all three can be in flight at once.
-struct GroupComm {
+struct FSDPMeshInfo {
   std::shared_ptr<World> world;
   std::vector<std::string> dims;  // the mesh's dimension names: (replicate,) shard
   GroupPtr shard;                 // the shard dimension (may have one rank): all-gathers
@@ -48,14 +47,14 @@ struct ReduceSettings {
   double divide_factor = 1.0;  // 1: sum
 };
 
-class ParamGroup {
+class FSDPParamGroup {
  public:
-  ParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
-             std::vector<ReplicatedParam> replicated, GroupComm comm, bool comm_fusion);
+  FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
+                 std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info, bool comm_fusion);
 
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   std::vector<ReplicatedParam>& replicated() { return replicated_; }
-  const GroupComm& comm() const { return comm_; }
+  const FSDPMeshInfo& mesh_info() const { return mesh_info_; }
   // Names trace events and error messages.
   void set_label(std::string label);
 
@@ -122,7 +121,7 @@ class ParamGroup {
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   std::vector<ReplicatedParam> replicated_;
-  GroupComm comm_;
+  FSDPMeshInfo mesh_info_;
   bool comm_fusion_;
   std::string label_ = "module";
   State state_ = State::kSharded;
