@@ -121,13 +121,30 @@ class FSDPModule {
 
 namespace detail {
 
-// The fully_shard state of a module, or null.
-std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module);
-// Pre-forward undoes itself if it throws; run_forward_failed replaces post-forward when
-// the module's forward threw.
-void run_pre_forward(FSDPState& state, const std::vector<at::Tensor*>& inputs);
-void run_post_forward(FSDPState& state, const std::vector<at::Tensor*>& outputs);
-void run_forward_failed(FSDPState& state);
+// The fully_shard forward hooks around one call of a module; inactive (and free) for a
+// module that was not fully_shard-ed. If forward throws after before(), the destructor
+// reshards what the call gathered, so the next forward starts afresh.
+class ForwardHooks {
+ public:
+  explicit ForwardHooks(const torch::nn::Module* module);
+  ~ForwardHooks();
+  ForwardHooks(const ForwardHooks&) = delete;
+  ForwardHooks& operator=(const ForwardHooks&) = delete;
+
+  bool active() const { return state_ != nullptr; }
+  // Pre-forward: unshards (or waits for the prefetch), casts the inputs; undoes itself
+  // if it throws.
+  void before(const std::vector<at::Tensor*>& inputs);
+  // Post-forward: reshards as configured, casts the outputs and hooks them for backward.
+  void after(const std::vector<at::Tensor*>& outputs);
+
+ private:
+  std::shared_ptr<FSDPState> state_;
+  bool forward_running_ = false;
+};
+
+// The FSDP interface of a module; throws std::logic_error if it was not fully_shard-ed.
+FSDPModule fsdp_module_of(const torch::nn::Module* module);
 
 template <typename T>
 struct is_vector : std::false_type {};
@@ -203,24 +220,16 @@ class Sharded : public Holder {
                   "std::string may sit beside them). Tensors in other types (structs, maps, "
                   "arrays, IValue) get no pre-backward hook, so backward would run on sharded "
                   "parameters");
-    auto state = detail::state_of(this->ptr().get());
-    if (!state) return Holder::operator()(std::forward<Args>(args)...);
+    detail::ForwardHooks hooks(this->ptr().get());
+    if (!hooks.active()) return Holder::operator()(std::forward<Args>(args)...);
     std::tuple<std::decay_t<Args>...> inputs(std::forward<Args>(args)...);
     std::vector<at::Tensor*> input_tensors;
     detail::collect_tensors(inputs, input_tensors);
-    detail::run_pre_forward(*state, input_tensors);
-    struct ForwardFailedGuard {  // keeps the state consistent if forward throws
-      detail::FSDPState& state;
-      bool armed = true;
-      ~ForwardFailedGuard() {
-        if (armed) detail::run_forward_failed(state);
-      }
-    } guard{*state};
+    hooks.before(input_tensors);
     auto output = std::apply([this](auto&... a) { return this->get()->forward(a...); }, inputs);
-    guard.armed = false;
     std::vector<at::Tensor*> output_tensors;
     detail::collect_tensors(output, output_tensors);
-    detail::run_post_forward(*state, output_tensors);
+    hooks.after(output_tensors);
     return output;
   }
 
@@ -249,13 +258,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
 
 template <typename Holder>
 FSDPModule Sharded<Holder>::fsdp() const {
-  auto state = detail::state_of(this->ptr().get());
-  if (!state) {
-    throw std::logic_error(
-        "this module was not fully_shard-ed; call hp::fully_shard(module) "
-        "before using its FSDP interface");
-  }
-  return FSDPModule(state);
+  return detail::fsdp_module_of(this->ptr().get());
 }
 
 }  // namespace hp

@@ -1,5 +1,7 @@
-// Which modules are fully_shard-ed: module -> state. Forward calls reach us through
-// Sharded<M>, which knows only the module, so the link lives here. The registry owns
+// Which modules are fully_shard-ed (module -> state) and which parameters (variable ->
+// state and FSDPParam). Forward calls reach us through Sharded<M>, which knows only the
+// module, and the training features (src/train) through a parameter variable, so the
+// links live here. The registry owns
 // nothing: a module owns its state through a child module (LibTorch modules have no
 // other slot for foreign state), so dropping the model frees its shards, buffers and
 // process groups.
@@ -9,6 +11,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "fsdp_param.h"
+#include "fsdp_param_group.h"
 #include "fsdp_state.h"
 #include "hyperparallel/fully_shard.h"
 
@@ -18,6 +22,13 @@ namespace {
 struct Entry {
   std::weak_ptr<torch::nn::Module> module;
   std::weak_ptr<FSDPState> state;
+};
+
+// A sharded parameter: the variable is alive while its state is (FSDPParam holds it), so
+// its TensorImpl address is not reused while the entry is live.
+struct ParamEntry {
+  std::weak_ptr<FSDPState> state;
+  FSDPParam* param;
 };
 
 struct StateOwner : torch::nn::Module {
@@ -40,6 +51,11 @@ std::unordered_map<const torch::nn::Module*, Entry>& registry() {
   return entries;
 }
 
+std::unordered_map<const c10::TensorImpl*, ParamEntry>& param_registry() {
+  static std::unordered_map<const c10::TensorImpl*, ParamEntry> entries;
+  return entries;
+}
+
 }  // namespace
 
 void register_state(const std::shared_ptr<torch::nn::Module>& module,
@@ -52,6 +68,11 @@ void register_state(const std::shared_ptr<torch::nn::Module>& module,
                                 module->name() + "); apply it once per module");
   }
   entries[module.get()] = Entry{module, state};
+  auto& params = param_registry();
+  std::erase_if(params, [](const auto& item) { return item.second.state.expired(); });
+  for (const auto& p : state->param_group().params()) {
+    params[p->variable().unsafeGetTensorImpl()] = ParamEntry{state, p.get()};
+  }
   module->register_module(kOwnerName, std::make_shared<StateOwner>(std::move(state)));
 }
 
@@ -72,14 +93,39 @@ std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module) {
   return found->second.state.lock();
 }
 
-void run_pre_forward(FSDPState& state, const std::vector<at::Tensor*>& inputs) {
-  state.pre_forward(inputs);
+std::pair<std::shared_ptr<FSDPState>, FSDPParam*> sharded_param_of(const at::Tensor& variable) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto found = param_registry().find(variable.unsafeGetTensorImpl());
+  if (found == param_registry().end()) return {nullptr, nullptr};
+  auto state = found->second.state.lock();
+  if (!state) return {nullptr, nullptr};
+  return {std::move(state), found->second.param};
 }
 
-void run_post_forward(FSDPState& state, const std::vector<at::Tensor*>& outputs) {
-  state.post_forward(outputs);
+ForwardHooks::ForwardHooks(const torch::nn::Module* module) : state_(state_of(module)) {}
+
+ForwardHooks::~ForwardHooks() {
+  if (forward_running_) state_->forward_failed();
 }
 
-void run_forward_failed(FSDPState& state) { state.forward_failed(); }
+void ForwardHooks::before(const std::vector<at::Tensor*>& inputs) {
+  state_->pre_forward(inputs);
+  forward_running_ = true;
+}
+
+void ForwardHooks::after(const std::vector<at::Tensor*>& outputs) {
+  forward_running_ = false;  // post_forward keeps the state consistent itself
+  state_->post_forward(outputs);
+}
+
+FSDPModule fsdp_module_of(const torch::nn::Module* module) {
+  auto state = state_of(module);
+  if (!state) {
+    throw std::logic_error(
+        "this module was not fully_shard-ed; call hp::fully_shard(module) "
+        "before using its FSDP interface");
+  }
+  return FSDPModule(std::move(state));
+}
 
 }  // namespace hp::detail

@@ -3,14 +3,23 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace hp::detail {
 
 class FSDPState;
+class FSDPParam;
 
 // Every live state (for checks across fully_shard calls).
 std::vector<std::shared_ptr<FSDPState>> all_states();
+
+// The fully_shard state of a module, or null.
+std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module);
+
+// The live state sharding the parameter `variable` and its FSDPParam; {null, null} when
+// none does.
+std::pair<std::shared_ptr<FSDPState>, FSDPParam*> sharded_param_of(const at::Tensor& variable);
 
 // Throws if the module already has a state.
 void register_state(const std::shared_ptr<torch::nn::Module>& module,

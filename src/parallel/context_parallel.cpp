@@ -33,6 +33,15 @@ int64_t wrapped_dim(const at::Tensor& tensor, int64_t dim, const std::string& ca
   return dim < 0 ? dim + tensor.dim() : dim;
 }
 
+// Checks a call on `tensor` along `dim` (wrapped in place): the group it splits over, or
+// null for a group of one rank, where nothing is split.
+const Group* split_group(const GroupPtr& group, const at::Tensor& tensor, int64_t& dim,
+                         const std::string& caller) {
+  const Group& checked = require_group(group, caller);
+  dim = wrapped_dim(tensor, dim, caller);
+  return checked.size() > 1 ? &checked : nullptr;
+}
+
 int64_t chunks_per_rank(SequenceLayout layout) {
   return layout == SequenceLayout::kLoadBalanced ? 2 : 1;
 }
@@ -132,10 +141,7 @@ at::Tensor part_of_rank(const at::Tensor& global, int64_t dim, const Group& grou
 }  // namespace
 
 at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr& group) {
-  const std::string caller = "hp::gather_along_dim";
-  const Group& checked = require_group(group, caller);
-  dim = wrapped_dim(local, dim, caller);
-  if (checked.size() == 1) return local;
+  if (!split_group(group, local, dim, "hp::gather_along_dim")) return local;
   // Plain autograd views around the gather: the result may be written in place.
   return GatherAlongDim0::apply(local.movedim(dim, 0), c10::make_intrusive<GroupRef>(group))
       .movedim(0, dim);
@@ -144,10 +150,9 @@ at::Tensor gather_along_dim(const at::Tensor& local, int64_t dim, const GroupPtr
 at::Tensor shard_sequence(const at::Tensor& global, const GroupPtr& group,
                           const ContextParallelOptions& options, int64_t seq_dim) {
   const std::string caller = "hp::shard_sequence";
-  const Group& checked = require_group(group, caller);
-  seq_dim = wrapped_dim(global, seq_dim, caller);
-  if (checked.size() == 1) return global;
-  return part_of_rank(global, seq_dim, checked, options, caller);
+  const Group* split = split_group(group, global, seq_dim, caller);
+  if (!split) return global;
+  return part_of_rank(global, seq_dim, *split, options, caller);
 }
 
 at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
@@ -163,9 +168,9 @@ at::Tensor sequence_positions(int64_t seq_len, const GroupPtr& group,
 at::Tensor unshard_sequence(const at::Tensor& local, const GroupPtr& group,
                             const ContextParallelOptions& options, int64_t seq_dim) {
   const std::string caller = "hp::unshard_sequence";
-  const Group& checked = require_group(group, caller);
-  seq_dim = wrapped_dim(local, seq_dim, caller);
-  if (checked.size() == 1) return local;
+  const Group* split = split_group(group, local, seq_dim, caller);
+  if (!split) return local;
+  const Group& checked = *split;
   check_local_length(local.size(seq_dim), options.layout, caller);
   at::Tensor gathered = gather_along_dim(local, seq_dim, group);  // parts in rank order
   if (options.layout == SequenceLayout::kContiguous) return gathered;

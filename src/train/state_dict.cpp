@@ -10,10 +10,8 @@
 #include <stdexcept>
 
 #include "checkpoint_sink.h"
-#include "fsdp_param.h"
-#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
-#include "sharded_param_index.h"
+#include "model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
 #include "whole_value.h"
@@ -37,9 +35,7 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
   }
   for (const auto& p : params) {
     if (p.shard) {
-      const detail::FSDPParam& param = *p.shard->param;
-      const at::Tensor slice =
-          detail::gather_whole(param, param.padded_shard(), *p.shard->mesh_info->shard);
+      const at::Tensor slice = p.shard->full(p.shard->local());
       visit(p.name, detail::whole_of(p, slice).to(at::kCPU));
     } else {
       visit(p.name, detail::whole_of(p, p.variable.detach())
@@ -87,7 +83,7 @@ void load_model_state(torch::nn::Module& model, const FullTensorSource& source, 
     // then take their values from here.
     for (const auto& p : params) {
       if (p.shard) {
-        detail::set_local_value(*p.shard, detail::read_local_part(source, p.name, p));
+        detail::set_local_value(p.variable, *p.shard, detail::read_local_part(source, p.name, p));
       } else {
         detail::set_whole_value(p.variable, detail::read_local_part(source, p.name, p), nullptr);
       }

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "hyperparallel/state_dict.h"
-#include "sharded_param_index.h"
+#include "model_params.h"
 
 namespace hp::detail {
 

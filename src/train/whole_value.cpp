@@ -4,15 +4,15 @@
 #include <c10/core/GradMode.h>
 
 #include "../runtime/deferred_init_engine.h"
-#include "fsdp_param.h"
 #include "hyperparallel/deferred_init.h"
 
 namespace hp::detail {
 
-void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole, const ShardedParam* shard) {
+void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole,
+                     const ShardedParameter* shard) {
   c10::NoGradGuard no_grad;
   if (shard) {
-    shard->param->load_full(whole);  // this rank's part into the local shard
+    shard->set_full(whole);  // this rank's part into the local shard
   } else if (is_deferred(tensor)) {
     // The variable is still a meta tensor. set_data refuses meta -> real (incompatible
     // tensor types), so its TensorImpl takes over a copy's storage and metadata in place:
@@ -28,9 +28,10 @@ void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole, const Sh
   mark_materialized(tensor);
 }
 
-void set_local_value(const ShardedParam& shard, const at::Tensor& local) {
-  shard.param->load_local(local);
-  mark_materialized(shard.param->variable());
+void set_local_value(const at::Tensor& variable, const ShardedParameter& shard,
+                     const at::Tensor& local) {
+  shard.set_local(local);
+  mark_materialized(variable);
 }
 
 }  // namespace hp::detail

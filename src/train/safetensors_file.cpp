@@ -141,7 +141,7 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
   };
   uint64_t header_size = 0;
   if (!read_all(fd_, &header_size, sizeof header_size, 0)) bad("it ends before its header");
-  struct stat info{};
+  struct stat info {};
   if (::fstat(fd_, &info) != 0 || header_size > static_cast<uint64_t>(info.st_size) - 8) {
     bad("its header length exceeds the file");
   }

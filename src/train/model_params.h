@@ -1,35 +1,24 @@
 #pragma once
-// Finds the fully_shard bookkeeping of a parameter variable, for the functions that take
-// a plain module (state dicts).
+// The parameters of a plain model as the training features built on fully_shard see them
+// (state dicts, checkpoints, materialize): each with its fully_shard view and its
+// parallel slice, if any.
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "hyperparallel/parallel_slice.h"
+#include "hyperparallel/sharded_parameter.h"
 
 namespace hp::detail {
 
-class FSDPParam;
-struct FSDPMeshInfo;
-
-struct ShardedParam {
-  FSDPParam* param;
-  const FSDPMeshInfo* mesh_info;  // the process groups of its fully_shard call
-};
-
-// Every sharded parameter of every live fully_shard state, by its variable's TensorImpl.
-std::map<const c10::TensorImpl*, ShardedParam> index_sharded_params();
-
-// A parameter of a plain module as the state dict functions see it.
 struct ModelParam {
   std::string name;  // as in model.named_parameters()
   at::Tensor variable;
-  std::optional<ShardedParam> shard;  // unset: not sharded over data-parallel ranks
+  std::optional<ShardedParameter> shard;  // unset: not sharded over data-parallel ranks
   // Set: this rank holds a slice (parallel_slice.h); the whole tensor joins the slices.
   std::optional<ParallelSlice> parallel_slice;
   std::vector<int64_t> whole_shape;  // of the whole tensor (all shards, all slices)
@@ -51,6 +40,6 @@ std::vector<ModelParam> model_params(torch::nn::Module& model);
 bool writes_whole_tensors(torch::nn::Module& model);
 
 // Throws std::logic_error naming `caller` when the parameter holds unsharded data now.
-void require_sharded(const ShardedParam& p, const std::string& name, const char* caller);
+void require_sharded(const ShardedParameter& p, const std::string& name, const char* caller);
 
 }  // namespace hp::detail

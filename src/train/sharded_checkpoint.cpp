@@ -16,12 +16,10 @@
 
 #include "../runtime/durable_files.h"
 #include "checkpoint_index.h"
-#include "fsdp_param.h"
-#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
+#include "model_params.h"
 #include "safetensors_file.h"
-#include "sharded_param_index.h"
 #include "state_io.h"
 
 namespace hp {
@@ -46,7 +44,7 @@ std::string rank_file(int64_t rank) {
 std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
                                 const std::string& caller) {
   for (const auto& p : params) {
-    if (p.shard) return p.shard->mesh_info->world;
+    if (p.shard) return p.shard->world();
   }
   for (const auto& p : params) {
     if (p.parallel_slice) {
@@ -134,19 +132,19 @@ RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::
         pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
       continue;
     }
-    const detail::ShardLayout& layout = p.shard->param->layout();
-    if (p.shard->mesh_info->replicate->rank() != 0) continue;
-    if (layout.local > 0) {
+    if (p.shard->replicate_group().rank() != 0) continue;
+    const at::Tensor& local = p.shard->local();
+    if (local.size(p.shard->shard_dim()) > 0) {
       std::vector<int64_t> offsets = slice_offsets;
-      offsets[layout.dim] += layout.start();
-      pieces.add(kModelPrefix + p.name, p.shard->param->sharded_view(), offsets, p.whole_shape);
+      offsets[p.shard->shard_dim()] += p.shard->shard_offset();
+      pieces.add(kModelPrefix + p.name, local, offsets, p.whole_shape);
       if (state) {
         for (const auto& [field, value] : state->fields) {
           pieces.add(optim_name + field, value, offsets, p.whole_shape);
         }
       }
     }
-    if (state && state->step && layout.rank == 0) {
+    if (state && state->step && p.shard->shard_group().rank() == 0) {
       pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
     }
   }

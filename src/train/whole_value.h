@@ -5,18 +5,21 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "sharded_param_index.h"
+#include "hyperparallel/sharded_parameter.h"
 
 namespace hp::detail {
 
-// `shard`: fully_shard's bookkeeping of `tensor`, or null when it is not sharded. A
+// `shard`: the fully_shard view of `tensor`, or null when it is not sharded. A
 // sharded parameter receives this rank's part of `whole` in its shard (no
 // communication); a deferred tensor takes a copy of `whole` in place (same variable);
 // any other tensor is copied into. A deferred tensor counts as materialized afterwards.
-void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole, const ShardedParam* shard);
+void set_whole_value(const at::Tensor& tensor, const at::Tensor& whole,
+                     const ShardedParameter* shard);
 
-// A sharded parameter receives `local`, this rank's part of its whole value (shaped like
-// its local shard), in its shard; it counts as materialized afterwards.
-void set_local_value(const ShardedParam& shard, const at::Tensor& local);
+// The sharded parameter `variable` (`shard` its view) receives `local`, this rank's part
+// of its whole value (shaped like its local shard), in its shard; it counts as
+// materialized afterwards.
+void set_local_value(const at::Tensor& variable, const ShardedParameter& shard,
+                     const at::Tensor& local);
 
 }  // namespace hp::detail

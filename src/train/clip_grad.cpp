@@ -8,10 +8,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "fsdp_state.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/parallel_slice.h"
-#include "state_registry.h"
+#include "hyperparallel/sharded_parameter.h"
 
 namespace hp {
 namespace {
@@ -27,21 +26,11 @@ struct GradPart {
 };
 
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& parameters) {
-  std::map<const c10::TensorImpl*, GradPart> sharded;
-  for (const auto& state : detail::all_states()) {
-    detail::FSDPParamGroup& param_group = state->param_group();
-    for (const auto& p : param_group.params()) {
-      // The sharded gradient wherever it is kept (also while the module is unsharded).
-      sharded[p->variable().unsafeGetTensorImpl()] = {p->sharded_grad_or_undefined(),
-                                                      param_group.mesh_info().shard.get()};
-    }
-  }
   std::vector<GradPart> parts;
   for (const at::Tensor& param : parameters) {
-    auto it = sharded.find(param.unsafeGetTensorImpl());
     GradPart part;
-    if (it != sharded.end()) {
-      part = it->second;
+    if (auto sharded = sharded_parameter_of(param)) {
+      part = {sharded->local_grad(), &sharded->shard_group()};
     } else if (param.grad().defined()) {
       part.grad = param.grad();
     } else {

@@ -2,7 +2,6 @@
 
 #include <stdexcept>
 
-#include "fsdp_param.h"
 #include "torch_save_reader.h"
 
 namespace hp::detail {
@@ -36,13 +35,14 @@ FullTensorSource source_of(TorchSaveReader& reader) {
 at::Tensor read_local_part(const FullTensorSource& source, const std::string& name,
                            const ModelParam& param) {
   if (!param.shard) return slice_of_whole(param, source.read(name));
-  const ShardLayout& layout = param.shard->param->layout();
+  const int64_t dim = param.shard->shard_dim();
+  const int64_t start = param.shard->shard_offset();
+  const int64_t length = param.shard->local().size(dim);
   if (param.parallel_slice) {  // the shard is a part of this rank's slice
-    return slice_of_whole(param, source.read(name))
-        .narrow(layout.dim, layout.start(), layout.local);
+    return slice_of_whole(param, source.read(name)).narrow(dim, start, length);
   }
-  if (source.read_part) return source.read_part(name, layout.dim, layout.start(), layout.local);
-  return source.read(name).narrow(layout.dim, layout.start(), layout.local);
+  if (source.read_part) return source.read_part(name, dim, start, length);
+  return source.read(name).narrow(dim, start, length);
 }
 
 void require_all_used(const FullTensorSource& source, const std::set<std::string>& used,

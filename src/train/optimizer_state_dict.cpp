@@ -15,12 +15,10 @@
 #include <stdexcept>
 
 #include "checkpoint_sink.h"
-#include "fsdp_param.h"
-#include "fsdp_param_group.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
-#include "sharded_param_index.h"
+#include "model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
 
@@ -114,7 +112,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
     if (p.shard) {
       // Every rank of the shard group joins each gather: agree on whether there is one.
       at::Tensor has_state = at::full({1}, param_state ? 1.0f : 0.0f);
-      all_reduce(has_state, ReduceOp::kMin, *p.shard->mesh_info->shard).wait();
+      all_reduce(has_state, ReduceOp::kMin, p.shard->shard_group()).wait();
       if (has_state.item<float>() == 0.0f) continue;
     } else if (!param_state) {
       continue;
@@ -124,11 +122,7 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
     }
     for (const auto& [field, local] : codec.fields(*param_state)) {
       if (!local.defined()) continue;
-      const at::Tensor slice =
-          p.shard ? detail::gather_whole(*p.shard->param,
-                                         p.shard->param->pad_local(local, local.scalar_type()),
-                                         *p.shard->mesh_info->shard)
-                  : local;
+      const at::Tensor slice = p.shard ? p.shard->full(local) : local;
       const at::Tensor whole = detail::whole_of(p, slice);
       const bool fresh = p.shard.has_value() || p.parallel_slice.has_value();
       visit(p.name + "." + field, whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/!fresh));
@@ -194,8 +188,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
     for (const auto& planned : plan) {
       const detail::ModelParam& p = *planned.param;
       // The local part goes where the parameter's data lives (the host, when offloaded).
-      const at::TensorOptions options =
-          p.shard ? p.shard->param->sharded_view().options() : p.variable.options();
+      const at::TensorOptions options = p.shard ? p.shard->local().options() : p.variable.options();
       Fields fields;
       for (const auto& field : planned.fields) {
         const std::string key = p.name + "." + field;

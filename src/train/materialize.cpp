@@ -5,22 +5,19 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../runtime/deferred_init_engine.h"
-#include "fsdp_param.h"
 #include "hyperparallel/deferred_init.h"
-#include "sharded_param_index.h"
+#include "model_params.h"
 #include "whole_value.h"
 
 namespace hp {
 namespace {
-
-using ShardedIndex = std::map<const c10::TensorImpl*, detail::ShardedParam>;
 
 struct Target {
   std::string name;
@@ -39,24 +36,28 @@ void add_deferred(const torch::OrderedDict<std::string, at::Tensor>& items,
   }
 }
 
-const detail::ShardedParam* sharded_param(const ShardedIndex& sharded, const Target& target) {
-  auto found = sharded.find(target.tensor.unsafeGetTensorImpl());
-  if (found == sharded.end()) return nullptr;
-  detail::require_sharded(found->second, target.name, "materialize");
-  return &found->second;
+// The fully_shard view of each target, checked before any work: unset for a tensor that
+// is not sharded.
+std::vector<std::optional<ShardedParameter>> sharded_views(const std::vector<Target>& targets) {
+  std::vector<std::optional<ShardedParameter>> views;
+  for (const Target& target : targets) {
+    views.push_back(sharded_parameter_of(target.tensor));
+    if (views.back()) detail::require_sharded(*views.back(), target.name, "materialize");
+  }
+  return views;
 }
 
-void deliver(const Target& target, const at::Tensor& whole, const ShardedIndex& sharded) {
-  detail::set_whole_value(target.tensor, whole, sharded_param(sharded, target));
+void deliver(const Target& target, const at::Tensor& whole,
+             const std::optional<ShardedParameter>& view) {
+  detail::set_whole_value(target.tensor, whole, view ? &*view : nullptr);
 }
 
 void replay_into(const std::vector<Target>& targets) {
-  const ShardedIndex sharded = detail::index_sharded_params();
-  for (const Target& target : targets) sharded_param(sharded, target);  // check before any work
+  const std::vector<std::optional<ShardedParameter>> views = sharded_views(targets);
   std::vector<at::Tensor> tensors;
   for (const Target& target : targets) tensors.push_back(target.tensor);
   detail::replay_deferred(tensors, [&](size_t index, const at::Tensor& whole) {
-    deliver(targets[index], whole, sharded);
+    deliver(targets[index], whole, views[index]);
   });
 }
 
@@ -77,15 +78,12 @@ void materialize(torch::nn::Module& module,
   std::set<const c10::TensorImpl*> seen;
   std::vector<Target> params;
   add_deferred(module.named_parameters(), seen, params);
-  const ShardedIndex sharded = detail::index_sharded_params();
-  std::vector<const detail::ShardedParam*> sharded_params;  // checked before any work
-  for (const Target& target : params) sharded_params.push_back(sharded_param(sharded, target));
+  const std::vector<std::optional<ShardedParameter>> views = sharded_views(params);
   for (size_t i = 0; i < params.size(); ++i) {
     const Target& target = params[i];
     // A sharded parameter's variable holds only its shard by now.
-    const std::vector<int64_t> shape = sharded_params[i]
-                                           ? sharded_params[i]->param->layout().global_shape
-                                           : target.tensor.sizes().vec();
+    const std::vector<int64_t> shape =
+        views[i] ? views[i]->global_shape() : target.tensor.sizes().vec();
     const at::TensorOptions options =
         target.tensor.options().device(*detail::deferred_device(target.tensor));
     at::Tensor whole = at::empty(shape, options);
@@ -100,7 +98,7 @@ void materialize(torch::nn::Module& module,
                                   c10::toString(target.tensor.scalar_type()) +
                                   ") by another tensor; fill the tensor it is given in place");
     }
-    deliver(target, whole, sharded);
+    deliver(target, whole, views[i]);
   }
   std::vector<Target> buffers;
   add_deferred(module.named_buffers(), seen, buffers);
