@@ -228,11 +228,17 @@ def main():
         "machine; they talk through **Gloo over loopback** (TCP through the kernel), "
         "except in the bandwidth-limited run."
     )
+    torch_version = m.get("torch", "?")
+    origin = (
+        "from Debian 13 (the build root)"
+        if "debian" in torch_version
+        else "from PyPI (the project venv; the C++ side builds against the same wheel)"
+    )
+    blas = m.get("blas", "?")
+    blas_note = " (Debian's reference BLAS, no OpenBLAS or MKL)" if blas == "generic" else ""
     p(
-        f"- PyTorch / LibTorch {m.get('torch', '?')} from Debian 13 (the build root). Its "
-        f"BLAS is `{m.get('blas', '?')}` (Debian's reference BLAS, no OpenBLAS or MKL): a "
-        f"256x256 fp32 matmul runs at **{fmt(m.get('gflops'))} GFLOP/s** on one thread, so "
-        "even these small models are compute-heavy."
+        f"- PyTorch / LibTorch {torch_version} {origin}. Its BLAS is `{blas}`{blas_note}: a "
+        f"256x256 fp32 matmul runs at **{fmt(m.get('gflops'))} GFLOP/s** on one thread."
     )
     p(
         "- Every rank calls `at::set_num_threads(1)` (`torch.set_num_threads(1)` in "
@@ -250,7 +256,7 @@ def main():
     p()
     rep.section("Scaled down from the issue, and why")
     p(
-        "The issue asks for d=512/L=8 and d=1024/L=8. With reference BLAS and 2 cores for "
+        "The issue asks for d=512/L=8 and d=1024/L=8. With 2 cores for "
         "up to 4 ranks, one step of d=512/L=8 takes seconds per variant, and the whole "
         "suite (8 C++ and 3 Python variants x 2 meshes x 2 sizes, plus memory, overhead "
         "and bandwidth-limited runs) has to finish within 15 minutes. Used here: "
@@ -906,7 +912,7 @@ move, and comparisons between modes mostly compare CPU work per step: copies, co
 count, dispatch overhead. The bandwidth-limited run is where waiting dominates and
 overlap can show.
 
-**What Gloo itself copies and sends (c10d, torch 2.6).** The copied-MB column is
+**What Gloo itself copies and sends (c10d).** The copied-MB column is
 deterministic and explains much of the loopback cost:
 - `ProcessGroupGloo::_allgather_base` gathers into a temporary flat buffer and copies it
   into the output. So the per-parameter all-gathers, which HyperParallel feeds straight

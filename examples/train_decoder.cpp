@@ -203,8 +203,9 @@ double learning_rate(const TrainOptions& o, int64_t step) {
 template <typename Model>
 std::pair<at::Tensor, int64_t> next_byte_loss(Model& model, const hp::trainer::Batch& batch,
                                               const hp::trainer::ParallelLayout& layout) {
-  const at::Tensor data = hp::shard_sequence(batch.data, layout.context_parallel);
-  const at::Tensor target = hp::shard_sequence(batch.target, layout.context_parallel);
+  const c10::Device device = layout.mesh.world()->device();  // fully_shard's, too
+  const at::Tensor data = hp::shard_sequence(batch.data.to(device), layout.context_parallel);
+  const at::Tensor target = hp::shard_sequence(batch.target.to(device), layout.context_parallel);
   const at::Tensor logits = model(data);
   const at::Tensor loss =
       hp::vocab_parallel_cross_entropy(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
@@ -236,7 +237,8 @@ at::Tensor whole_logits(Model& model, const at::Tensor& tokens,
                         const hp::trainer::ParallelLayout& layout) {
   const int64_t length = tokens.size(1), cp = layout.context_parallel->size();
   const int64_t padded = (length + 2 * cp - 1) / (2 * cp) * (2 * cp);
-  at::Tensor input = cp > 1 ? torch::constant_pad_nd(tokens, {0, padded - length}) : tokens;
+  const at::Tensor on_device = tokens.to(layout.mesh.world()->device());
+  at::Tensor input = cp > 1 ? torch::constant_pad_nd(on_device, {0, padded - length}) : on_device;
   at::Tensor logits = model(hp::shard_sequence(input, layout.context_parallel));
   logits = hp::unshard_sequence(logits, layout.context_parallel);
   return hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0].narrow(0, 0, length);
@@ -258,7 +260,7 @@ std::string generate(Model& model, const std::string& prompt, int64_t length, in
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
     const at::Tensor input =
         torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
-    const at::Tensor logits = whole_logits(model, input, layout)[-1].to(at::kFloat) / 0.8;
+    const at::Tensor logits = whole_logits(model, input, layout)[-1].to(at::kCPU, at::kFloat) / 0.8;
     const auto [top, index] = logits.topk(8);
     const int64_t pick =
         torch::multinomial(torch::softmax(top, 0), 1, false, generator).item<int64_t>();
@@ -587,6 +589,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
   // Every rank exits with the verdict, after rank 0 printed it: a launcher stops the
   // others at the first nonzero exit.
   hp::barrier(all).wait();
+  world->shutdown();  // the process groups end here, not in static destructors
   return learned ? 0 : 1;
 }
 

@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "error_of.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp {
@@ -161,14 +162,7 @@ HP_DIST_TEST(Collectives, BroadcastSendRecvBarrier, 1, 2, 3, 4) {
 
 HP_DIST_TEST(Collectives, BadArgumentsAreExplained, 2) {
   const Group& group = world_group();
-  auto message = [](auto&& call) -> std::string {
-    try {
-      call();
-    } catch (const std::invalid_argument& error) {
-      return error.what();
-    }
-    return "no error";
-  };
+  const auto message = testing::error_of<std::invalid_argument>;
   EXPECT_NE(message([&] {
               reduce_scatter(torch::empty({2}), torch::ones({5}), ReduceOp::kSum, group);
             }).find("pad the input"),
@@ -197,6 +191,30 @@ HP_DIST_TEST(Collectives, BadArgumentsAreExplained, 2) {
   }
   EXPECT_EQ(parse_reduce_op("Mean"), ReduceOp::kAvg);
   EXPECT_EQ(to_string(parse_reduce_op("MAX")), "max");
+}
+
+// Its own World (not the harness's, which the harness still uses after the body).
+HP_DIST_TEST(World, ShutdownEndsItsGroupsAndNothingElse, 2) {
+  std::shared_ptr<World> world = World::from_env();
+  if (!torch::cuda::is_available()) EXPECT_EQ(world->device(), c10::Device(c10::kCPU));
+  GroupPtr pair = world->new_group("pair", {0, 1});
+  at::Tensor x = torch::ones({2});
+  all_reduce(x, ReduceOp::kSum, *pair).wait();
+  EXPECT_TRUE(torch::equal(x, torch::full({2}, 2.0f)));
+  barrier(*world->world_group()).wait();
+
+  world->shutdown();
+  world->shutdown();  // a second call does nothing
+  const auto error = testing::error_of<std::logic_error>;
+  EXPECT_NE(error([&] { all_reduce(x, ReduceOp::kSum, *pair).wait(); }).find("World::shutdown"),
+            std::string::npos);
+  EXPECT_NE(error([&] { barrier(*world->world_group()).wait(); }).find("was shut down"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              world->new_group("later", {0, 1});
+            }).find("was shut down"),
+            std::string::npos);
+  EXPECT_TRUE(torch::equal(x, torch::full({2}, 2.0f)));  // the failed call left it alone
 }
 
 }  // namespace

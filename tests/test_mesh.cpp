@@ -3,20 +3,14 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "error_of.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/mesh.h"
 
 namespace hp {
 namespace {
 
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const std::invalid_argument& error) {
-    return error.what();
-  }
-  return "no error";
-}
+const auto error_of = testing::error_of<std::invalid_argument>;
 
 // The group really connects the listed ranks: all-gathering global ranks returns them.
 void expect_group_connects(const Group& group) {

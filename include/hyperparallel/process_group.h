@@ -3,6 +3,7 @@
 // created over it. A Group of size 1 has no backend: collectives on it do no
 // communication and return no-op handles.
 
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -46,6 +47,8 @@ class Group {
 
  private:
   friend class World;
+  // World::shutdown: ends the backends; backend() throws from then on.
+  void shut_down();
   // `store` (the world's): where members report a failed collective to one another.
   Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
         c10::intrusive_ptr<c10d::Backend> cpu_backend,
@@ -58,6 +61,7 @@ class Group {
   c10::intrusive_ptr<c10d::Backend> cuda_backend_;
   c10::intrusive_ptr<c10d::Store> store_;
   mutable int64_t collectives_issued_ = 0;
+  bool shut_down_ = false;
 };
 
 using GroupPtr = std::shared_ptr<Group>;
@@ -97,6 +101,18 @@ class World {
   // The group created under `name` by this rank, or null.
   GroupPtr find_group(const std::string& name) const;
 
+  // The device this rank computes on: cuda:LOCAL_RANK when every rank of the World sees
+  // a CUDA device of its LOCAL_RANK (made the current device at start-up; the World's
+  // NCCL backends are bound to it), else the CPU for all of them: NCCL cannot share one
+  // GPU between ranks, so a machine with fewer GPUs than ranks runs the job on the CPU.
+  c10::Device device() const { return device_; }
+
+  // Ends every process group of this World before exit (PyTorch's
+  // destroy_process_group): NCCL communicators are destroyed, Gloo's connections
+  // dropped. Call it on every rank after the last collective has completed; collectives
+  // and new_group on this World throw afterwards. A second call does nothing.
+  void shutdown();
+
  private:
   friend class DeviceMesh;
   // 0, 1, 2, ... per call: names meshes consistently on all ranks (who build the same
@@ -104,7 +120,9 @@ class World {
   int64_t next_mesh_id() { return mesh_count_++; }
 
   World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-        std::chrono::milliseconds timeout);
+        std::chrono::milliseconds timeout, c10::Device device);
+  // After the world group's rendezvous: device_ stays a GPU only if every rank has one.
+  void agree_on_device();
   GroupPtr make_group(const std::string& name, std::vector<int64_t> ranks,
                       const std::string& operation, std::chrono::steady_clock::time_point deadline);
 
@@ -116,6 +134,8 @@ class World {
   GroupPtr world_group_;
   std::map<std::string, GroupPtr> groups_;
   int64_t mesh_count_ = 0;
+  c10::Device device_;
+  bool shut_down_ = false;
 };
 
 // The world of this process, joined from the launch environment on first use (like

@@ -56,6 +56,17 @@ void ShardLayout::copy_to_rank_major(const at::Tensor& full, const at::Tensor& r
   }
 }
 
+namespace {
+
+// A deferred (meta) parameter lives where its recorded construction put it; one on the
+// CPU moves to the mesh's GPU, if it has one.
+c10::Device compute_device_for(const at::Tensor& variable, c10::Device mesh_device) {
+  const c10::Device device = deferred_device(variable).value_or(variable.device());
+  return device.is_cpu() && mesh_device.is_cuda() ? mesh_device : device;
+}
+
+}  // namespace
+
 FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_world,
                      int64_t shard_rank, ParamPolicy policy)
     : name_(std::move(name)),
@@ -64,8 +75,7 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
       orig_dtype_(variable_.scalar_type()),
       param_dtype_(policy.param_dtype.value_or(variable_.scalar_type())),
       policy_(policy),
-      // A deferred (meta) parameter lives where its recorded construction put it.
-      compute_device_(deferred_device(variable_).value_or(variable_.device())) {
+      compute_device_(compute_device_for(variable_, policy.mesh_device)) {
   c10::NoGradGuard no_grad;
   at::TensorOptions shard_options =
       variable_.options().device(compute_device_).requires_grad(false);

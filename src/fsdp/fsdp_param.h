@@ -27,6 +27,9 @@ struct ParamPolicy {
   bool fp32_main_grad = false;
   bool offload = false;  // keep the shard and its gradient in host memory
   bool pin_memory = false;
+  // The mesh's device (World::device()): a parameter on the CPU computes there when it is
+  // a GPU, as FSDP2 moves a module's states to its mesh's device.
+  c10::Device mesh_device = c10::Device(c10::DeviceType::CPU);
 };
 
 // Where dim `dim` of `global_shape` is cut into `world` chunks of `chunk` entries; this

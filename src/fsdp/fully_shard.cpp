@@ -115,6 +115,15 @@ std::pair<std::optional<bool>, GroupPtr> resolve_reshard_after_forward(
   return {true, group};
 }
 
+// A tensor on the CPU moves to a GPU mesh device (in place: the variable stays the same);
+// a deferred (meta) one keeps its recorded device, anything else stays.
+void move_to_mesh_device(const at::Tensor& tensor, c10::Device mesh_device) {
+  if (mesh_device.is_cuda() && tensor.device().is_cpu()) {
+    c10::NoGradGuard no_grad;
+    tensor.set_data(tensor.to(mesh_device));
+  }
+}
+
 }  // namespace
 
 std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
@@ -202,6 +211,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   policy.fp32_main_grad = options.mp_policy.apply_grad_on_fp32_main_grad;
   policy.offload = options.offload_policy.offload;
   policy.pin_memory = options.offload_policy.pin_memory;
+  policy.mesh_device = mesh_info.world->device();
 
   std::vector<std::unique_ptr<detail::FSDPParam>> sharded;
   std::vector<detail::ReplicatedParam> replicas;
@@ -229,6 +239,14 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
     }
     sharded.push_back(std::make_unique<detail::FSDPParam>(name, param, dim, mesh_info.shard->size(),
                                                           mesh_info.shard->rank(), policy));
+  }
+
+  // The rest of the module's states follow the sharded parameters to a GPU mesh's device
+  // (FSDP2's move of module states); ignored parameters stay where they are.
+  for (auto& replica : replicas) move_to_mesh_device(replica.variable, policy.mesh_device);
+  for (const auto& m : modules) {
+    for (const auto& buffer : m.module()->buffers())
+      move_to_mesh_device(buffer, policy.mesh_device);
   }
 
   auto param_group = std::make_unique<detail::FSDPParamGroup>(

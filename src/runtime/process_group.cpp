@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef HP_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/cuda.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -24,6 +25,20 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& local_
   }
   return c10d::ProcessGroupGloo::createDeviceForHostname(local_address);
 }
+
+// cuda:LOCAL_RANK when this process sees that device; else the CPU.
+c10::Device own_device(const LaunchEnv& env) {
+#ifdef HP_WITH_NCCL
+  if (torch::cuda::is_available() &&
+      env.local_rank < static_cast<int64_t>(torch::cuda::device_count())) {
+    return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  }
+#endif
+  (void)env;
+  return c10::Device(c10::DeviceType::CPU);
+}
+
+std::string device_key(int64_t rank) { return "hp/device/" + std::to_string(rank); }
 
 }  // namespace
 
@@ -49,7 +64,21 @@ std::function<std::string(const std::string&)> Group::on_failure(std::string ope
   };
 }
 
+void Group::shut_down() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  for (auto* backend : {&cpu_backend_, &cuda_backend_}) {
+    if (*backend) (*backend)->shutdown();
+    backend->reset();
+  }
+}
+
 c10d::Backend& Group::backend(c10::DeviceType device_type) const {
+  if (shut_down_) {
+    throw std::logic_error("group '" + name_ +
+                           "' belongs to a World that was shut down (World::shutdown); "
+                           "collectives need a live World");
+  }
   if (size() == 1) {
     throw std::logic_error("group '" + name_ +
                            "' has one rank and no backend; collectives "
@@ -59,18 +88,27 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
   if (device_type == c10::DeviceType::CUDA && cuda_backend_) return *cuda_backend_;
   throw std::invalid_argument("group '" + name_ + "' has no backend for " +
                               c10::DeviceTypeName(device_type) +
-                              " tensors (CPU uses Gloo; CUDA needs a LibTorch built with NCCL)");
+                              " tensors (CPU uses Gloo; CUDA uses NCCL, which needs a LibTorch "
+                              "built with it and a CUDA device of this rank's own: "
+                              "cuda:LOCAL_RANK)");
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-             std::chrono::milliseconds timeout)
+             std::chrono::milliseconds timeout, c10::Device device)
     : rank_(rank),
       size_(size),
       local_address_(std::move(address)),
       store_(std::move(store)),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      device_(device) {}
 
 World::~World() = default;
+
+void World::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  for (auto& [name, group] : groups_) group->shut_down();
+}
 
 std::shared_ptr<World> World::from_env(WorldOptions options) {
   return create(LaunchEnv::from_environment(), options);
@@ -85,13 +123,35 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   // One deadline for the whole start-up: reaching the store and every rank arriving.
   const auto deadline = detail::Deadline::after(timeout);
   detail::StoreConnection connection = detail::connect_store(env, deadline);
-  std::shared_ptr<World> world(
-      new World(env.rank, env.world_size, connection.local_address, connection.store, timeout));
+  std::shared_ptr<World> world(new World(env.rank, env.world_size, connection.local_address,
+                                         connection.store, timeout, own_device(env)));
+  // Read back once every rank has arrived in the world group's rendezvous below.
+  const std::string own = world->device_.is_cuda() ? "cuda" : "cpu";
+  connection.store->set(device_key(env.rank), std::vector<uint8_t>(own.begin(), own.end()));
   std::vector<int64_t> all(env.world_size);
   for (int64_t r = 0; r < env.world_size; ++r) all[r] = r;
   world->world_group_ = world->make_group(
       "world", all, "start-up join of " + std::to_string(env.world_size) + " ranks", deadline.at);
+  world->agree_on_device();
   return world;
+}
+
+void World::agree_on_device() {
+  // All ranks on a GPU of their own, or all on the CPU: a machine with fewer GPUs than
+  // ranks runs the whole job on the CPU rather than some ranks on each.
+  if (device_.is_cuda()) {
+    for (int64_t r = 0; r < size_; ++r) {
+      const std::vector<uint8_t> theirs = store_->get(device_key(r));
+      if (std::string(theirs.begin(), theirs.end()) != "cuda") {
+        device_ = c10::Device(c10::DeviceType::CPU);
+        world_group_->cuda_backend_.reset();  // made for a GPU this job will not use
+        return;
+      }
+    }
+  }
+#ifdef HP_WITH_NCCL
+  if (device_.is_cuda()) c10::cuda::set_device(device_.index());
+#endif
 }
 
 GroupPtr World::find_group(const std::string& name) const {
@@ -107,6 +167,10 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
 GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
                            const std::string& operation,
                            std::chrono::steady_clock::time_point deadline) {
+  if (shut_down_) {
+    throw std::logic_error("cannot create group '" + name +
+                           "': this World was shut down (World::shutdown)");
+  }
   if (groups_.count(name)) {
     throw std::invalid_argument("a group named '" + name +
                                 "' already exists; group names identify rendezvous and "
@@ -137,12 +201,13 @@ GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
         c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
         gloo_options);
 #ifdef HP_WITH_NCCL
-    if (torch::cuda::is_available()) {
+    if (device_.is_cuda()) {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
       nccl_options->timeout = timeout_;
       cuda = c10::make_intrusive<c10d::ProcessGroupNCCL>(
           c10::make_intrusive<c10d::PrefixStore>("nccl", prefixed), rank_in_group, group_size,
           nccl_options);
+      cuda->setBoundDeviceId(device_);  // the communicator's device, known up front
     }
 #endif
   }

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "hyperparallel/collectives.h"
@@ -15,6 +16,19 @@ namespace {
 
 constexpr const char* kChildVariable = "HP_DIST_TEST_CHILD";  // "<test>/<world size>"
 constexpr const char* kBodyDone = "[hp-dist-test: rank body completed]";
+// Followed by the reason, when the body skipped itself (GTEST_SKIP): the parent then
+// reports the test as skipped, not passed.
+constexpr const char* kBodySkipped = "[hp-dist-test: rank body skipped]";
+
+// The message of the body's GTEST_SKIP.
+std::string skip_reason() {
+  const ::testing::TestResult* result =
+      ::testing::UnitTest::GetInstance()->current_test_info()->result();
+  for (int i = 0; i < result->total_part_count(); ++i) {
+    if (result->GetTestPartResult(i).skipped()) return result->GetTestPartResult(i).message();
+  }
+  return "";
+}
 
 std::string self_executable() {
   char path[4096];
@@ -51,6 +65,7 @@ void run_as_rank(void (*body)()) {
   // The parent requires this marker so that a rank which skipped the body (filter
   // mismatch, early exit) can never count as a pass.
   if (!::testing::Test::HasFailure()) std::printf("%s\n", kBodyDone);
+  if (::testing::Test::IsSkipped()) std::printf("%s %s\n", kBodySkipped, skip_reason().c_str());
   std::fflush(stdout);
 }
 
@@ -84,6 +99,15 @@ void run_distributed(const char* test_name, int world_size, void (*body)(), int 
     ADD_FAILURE() << test_name << " on " << world_size << " ranks timed out after "
                   << options.timeout.count() / 1000 << " s; all ranks were killed";
   }
+  size_t skipped = 0;
+  std::string reason;
+  for (const RankResult& rank : result.ranks) {
+    const size_t marker = rank.output.find(kBodySkipped);
+    if (marker == std::string::npos) continue;
+    ++skipped;
+    const size_t begin = marker + std::strlen(kBodySkipped) + 1;
+    reason = rank.output.substr(begin, rank.output.find('\n', begin) - begin);
+  }
   for (const RankResult& rank : result.ranks) {
     const bool completed = rank.output.find(kBodyDone) != std::string::npos;
     if (rank.exit_code == 0 && completed) continue;
@@ -92,6 +116,9 @@ void run_distributed(const char* test_name, int world_size, void (*body)(), int 
                   << (completed ? "" : " did not complete the test body") << ", exit code "
                   << rank.exit_code << ". Its output:\n"
                   << rank.output;
+  }
+  if (!result.ranks.empty() && skipped == result.ranks.size() && !::testing::Test::HasFailure()) {
+    GTEST_SKIP() << reason;
   }
 }
 

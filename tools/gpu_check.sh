@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with a CUDA GPU, builds natively against an installed CUDA
+# LibTorch (tools/in_env.sh: CMAKE_PREFIX_PATH, the system, python3's torch) into
+# build-gpu/ and runs what needs a GPU. One GPU is enough; NCCL needs a GPU per rank, so
+# multi-rank NCCL stays untested on one (docs/gpu.md). Prints each step's time; exits
+# nonzero at the first failure. Usage: tools/gpu_check.sh [BUILD_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build-gpu}
+run=tools/in_env.sh
+began=$(date +%s)
+step() { echo "== $* ($(($(date +%s) - began)) s)"; }
+
+step "GPU"
+if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; then
+  echo "gpu_check: no GPU here (nvidia-smi failed); this check needs one" >&2
+  exit 1
+fi
+
+step "build (native, $(nproc) jobs)"
+$run cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+$run cmake --build "$build" -j "$(nproc)"
+$run python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
+      "devices", torch.cuda.device_count())' || true
+
+step "fully_shard on one GPU against the CPU reference (tests/test_cuda.cpp)"
+out=$(mktemp)
+$run ctest --test-dir "$build" -R '^Cuda\.' --output-on-failure --no-tests=error -V | tee "$out"
+if grep -q "SKIPPED" "$out"; then
+  echo "gpu_check: the CUDA tests were skipped: this process sees no CUDA device" >&2
+  exit 1
+fi
+
+step "single-process tests on the GPU machine's build"
+$run ctest --test-dir "$build" -L unit --output-on-failure -j "$(nproc)"
+
+step "trainer on one GPU rank, 500 steps (fully_shard moves the CPU-built model to cuda:0)"
+$run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
+  --mesh 1x1 --data README.md --data docs --log-every 100 --out "$build/gpu_demo"
+
+step "done"
