@@ -10,7 +10,7 @@ Variants (alternated step by step in one process, like hp_bench):
     fsdp2           torch.distributed.fsdp.fully_shard, defaults
     fsdp2:prefetch  + the documented CPU-friendly overlap recipe: async unshard and an
                     explicit forward prefetch of the next block
-    fsdp2:raf       reshard_after_forward=True (expected to fail on CPU, see below)
+    fsdp2:raf       reshard_after_forward=True (failed in backward on CPU with torch 2.6)
 
 --deferred-init builds the model on the meta device, applies fully_shard there, then
 allocates only the local shards (to_empty) and initializes them (FSDP2's documented
@@ -47,11 +47,13 @@ def _record_event(self, event=None):
 torch.cpu.Stream.record_event = _record_event
 torch.cpu.Stream.wait_event = lambda self, event: None
 
-# For fp32 gradients FSDP2 relies on the backend's ReduceOp.AVG. Gloo (torch 2.6) rejects
-# AVG in all_reduce (HSDP fails) and treats it as SUM in reduce_scatter (gradients come
-# out world-size times too large). The fp16 path of the same function returns explicit
-# pre/post divide factors with SUM collectives: use it for every dtype. Same traffic, one
-# or two extra in-place divisions, and correct averages -- as HyperParallel does.
+# For fp32 gradients FSDP2 relies on the backend's ReduceOp.AVG. Gloo rejects AVG in
+# all_reduce (HSDP fails) and treats it as SUM in reduce_scatter (gradients come out
+# world-size times too large). FSDP2 can use SUM collectives with explicit pre/post
+# divisions instead -- as HyperParallel does; same traffic, one or two extra in-place
+# divisions, correct averages. Newer torch has a switch for it
+# (FSDPModule.set_force_sum_reduction_for_comms, used after fully_shard below); older
+# torch (2.6) is patched to take the path it uses for fp16 for every dtype.
 _orig_factors = _fsdp_collectives._get_gradient_divide_factors
 
 
@@ -59,7 +61,9 @@ def _divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype):
     return _orig_factors(reduce_scatter_group, all_reduce_group, torch.float16)
 
 
-_fsdp_collectives._get_gradient_divide_factors = _divide_factors
+FORCE_SUM_SWITCH = hasattr(torch.distributed.fsdp.FSDPModule, "set_force_sum_reduction_for_comms")
+if not FORCE_SUM_SWITCH:
+    _fsdp_collectives._get_gradient_divide_factors = _divide_factors
 
 
 # --- the model of models/transformer.h --------------------------------------------------
@@ -237,6 +241,10 @@ def main():
             for block in model.blocks():
                 fully_shard(block, mesh=mesh, reshard_after_forward=raf)
             fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+            if FORCE_SUM_SWITCH:
+                for module in model.modules():
+                    if isinstance(module, torch.distributed.fsdp.FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)
             if "prefetch" in flags:
                 # FSDP2's pre-forward / pre-backward all-gathers are synchronous
                 # (async_op=False) and overlap on GPUs only through streams; on CPU
