@@ -5,7 +5,7 @@
 // parameter variable itself holds the local shard.
 //
 //   for (auto& param : model->parameters())
-//     if (auto sharded = hp::sharded_parameter_of(param)) whole = sharded->full(sharded->local());
+//     if (auto sharded = hp::sharded_parameter_of(param)) whole = sharded->full();
 
 #include <ATen/core/Tensor.h>
 
@@ -52,6 +52,9 @@ class ShardedParameter {
   // or after unshard()): then the shard must not be read or written through this view.
   bool is_unsharded() const;
 
+  // The whole tensor: every shard rank sends its shard as it is (no copy on the CPU); a
+  // collective over shard_group().
+  at::Tensor full() const;
   // The whole tensor assembled from every shard rank's `local_like`, a tensor laid out as
   // local() (the shard itself, or per-parameter optimizer state): a collective over
   // shard_group().

@@ -35,7 +35,7 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
   }
   for (const auto& p : params) {
     if (p.shard) {
-      const at::Tensor slice = p.shard->full(p.shard->local());
+      const at::Tensor slice = p.shard->full();
       visit(p.name, detail::whole_of(p, slice).to(at::kCPU));
     } else {
       visit(p.name, detail::whole_of(p, p.variable.detach())
