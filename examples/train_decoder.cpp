@@ -38,6 +38,7 @@
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/launch_env.h"
 #include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/sharded_checkpoint.h"
@@ -284,7 +285,13 @@ int train(const TrainOptions& o, const std::string& resolved) {
     world_options.timeout =
         std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.timeout * 1000)));
   }
-  std::shared_ptr<hp::World> world = hp::World::from_env(world_options);
+  const hp::LaunchEnv launch = hp::LaunchEnv::from_environment();
+  try {
+    hp::trainer::check_world_size(o, launch.world_size);
+  } catch (const std::invalid_argument& error) {
+    throw UsageError(error.what());
+  }
+  std::shared_ptr<hp::World> world = hp::World::create(launch, world_options);
   const hp::Group& all = *world->world_group();
   const int64_t ranks = world->size(), rank = world->rank();
   std::optional<hp::trainer::ParallelLayout> parallel;

@@ -7,14 +7,7 @@ namespace hp::trainer {
 namespace {
 
 DeviceMesh trainer_mesh(const std::shared_ptr<World>& world, const TrainOptions& o) {
-  const int64_t ranks = o.replicate * o.shard * o.cp * o.tp;
-  if (ranks != world->size()) {
-    throw std::invalid_argument("--mesh " + o.mesh + " x --cp " + std::to_string(o.cp) +
-                                " x --tp " + std::to_string(o.tp) + " needs " +
-                                std::to_string(ranks) + " ranks, this run has " +
-                                std::to_string(world->size()) + " (use hp-run -n " +
-                                std::to_string(ranks) + ", or change the degrees)");
-  }
+  check_world_size(o, world->size());
   return DeviceMesh(world, {{"dp_replicate", o.replicate},
                             {"dp_shard", o.shard / o.ep},
                             {"ep", o.ep},
@@ -23,6 +16,16 @@ DeviceMesh trainer_mesh(const std::shared_ptr<World>& world, const TrainOptions&
 }
 
 }  // namespace
+
+void check_world_size(const TrainOptions& o, int64_t world_size) {
+  const int64_t ranks = o.replicate * o.shard * o.cp * o.tp;
+  if (ranks != world_size) {
+    throw std::invalid_argument(
+        "--mesh " + o.mesh + " x --cp " + std::to_string(o.cp) + " x --tp " + std::to_string(o.tp) +
+        " needs " + std::to_string(ranks) + " ranks, this run has " + std::to_string(world_size) +
+        " (use hp-run -n " + std::to_string(ranks) + ", or change the degrees)");
+  }
+}
 
 ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const TrainOptions& o) {
   DeviceMesh mesh = trainer_mesh(world, o);

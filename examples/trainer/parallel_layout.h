@@ -26,7 +26,13 @@ struct ParallelLayout {
   double experts_divide_factor = 1;
 };
 
-// Throws std::invalid_argument naming the option when the degrees do not multiply to the
+// Throws std::invalid_argument naming the options when the degrees do not multiply to
+// `world_size`. Checked before joining the World too (LaunchEnv's WORLD_SIZE), so that every
+// rank stops before any connection: a rank that stops while another still connects turns
+// the usage error into a connection error there.
+void check_world_size(const TrainOptions& o, int64_t world_size);
+
+// Throws std::invalid_argument naming the options when the degrees do not multiply to the
 // world's size.
 ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const TrainOptions& o);
 

@@ -54,18 +54,6 @@ struct ColumnParallelLinearOptions {
   bool gather_output = false;
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Module {
- public:
-  ColumnParallelLinearImpl(ColumnParallelLinearOptions options, GroupPtr group = nullptr);
-  at::Tensor forward(const at::Tensor& x);
-
-  ColumnParallelLinearOptions options;
-  GroupPtr group;     // null: not parallel
-  at::Tensor weight;  // [out / tp, in]
-  at::Tensor bias;    // [out / tp], or undefined
-};
-TORCH_MODULE(ColumnParallelLinear);
-
 struct RowParallelLinearOptions {
   int64_t in_features;  // divisible by the group size
   int64_t out_features;
@@ -75,16 +63,36 @@ struct RowParallelLinearOptions {
   bool input_is_parallel = true;
 };
 
-class RowParallelLinearImpl : public torch::nn::Module {
+// What both tensor-parallel linears hold: torch::nn::Linear's parameters, drawn whole as
+// it draws them, with the weight split over the group along one dim.
+class ParallelLinearImpl : public torch::nn::Module {
+ public:
+  GroupPtr group;     // null: not parallel
+  at::Tensor weight;  // column: [out / tp, in]; row: [out, in / tp]
+  at::Tensor bias;    // column: [out / tp]; row: [out], replicated; undefined without one
+
+ protected:
+  // split_dim 0 splits the outputs (weight and bias), 1 the inputs (the weight only).
+  ParallelLinearImpl(const char* layer_name, int64_t in_features, int64_t out_features,
+                     bool with_bias, int64_t split_dim, GroupPtr group);
+};
+
+class ColumnParallelLinearImpl : public ParallelLinearImpl {
+ public:
+  ColumnParallelLinearImpl(ColumnParallelLinearOptions options, GroupPtr group = nullptr);
+  at::Tensor forward(const at::Tensor& x);
+  ColumnParallelLinearOptions options;
+};
+
+// The bias is added once, after the sum over the group.
+class RowParallelLinearImpl : public ParallelLinearImpl {
  public:
   RowParallelLinearImpl(RowParallelLinearOptions options, GroupPtr group = nullptr);
   at::Tensor forward(const at::Tensor& x);
-
   RowParallelLinearOptions options;
-  GroupPtr group;
-  at::Tensor weight;  // [out, in / tp]
-  at::Tensor bias;    // [out], replicated; added once, after the sum
 };
+
+TORCH_MODULE(ColumnParallelLinear);
 TORCH_MODULE(RowParallelLinear);
 
 class VocabParallelEmbeddingImpl : public torch::nn::Module {

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <utility>
 
 #include "hyperparallel/collectives.h"
@@ -56,24 +55,6 @@ void require_divisible(const char* layer, const char* what, int64_t value, const
                                 std::to_string(size_of(group)) +
                                 "); choose sizes that split evenly over the group");
   }
-}
-
-// Draws the whole layer as torch::nn::Linear draws it (the same on every rank) and
-// registers this rank's slice of its weight along `weight_dim` (0: out_features, 1:
-// in_features, which must divide over the group). Returns the weight parameter and the
-// whole bias (undefined without one).
-std::pair<at::Tensor, at::Tensor> register_weight_slice(torch::nn::Module& layer,
-                                                        const char* layer_name, int64_t in,
-                                                        int64_t out, bool with_bias,
-                                                        int64_t weight_dim, const GroupPtr& group) {
-  if (weight_dim == 0) {
-    require_divisible(layer_name, "out_features", out, group);
-  } else {
-    require_divisible(layer_name, "in_features", in, group);
-  }
-  torch::NoGradGuard no_grad;
-  const auto [whole, whole_bias] = linear_parameters(in, out, with_bias);
-  return {register_slice(layer, "weight", whole, weight_dim, group), whole_bias};
 }
 
 // Carries the group through the autograd context.
@@ -145,15 +126,28 @@ at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const GroupPtr& grou
   return is_parallel(group) ? GatherFromTensorParallel::apply(x, group) : x;
 }
 
+ParallelLinearImpl::ParallelLinearImpl(const char* layer_name, int64_t in_features,
+                                       int64_t out_features, bool with_bias, int64_t split_dim,
+                                       GroupPtr group)
+    : group(std::move(group)) {
+  if (split_dim == 0) {
+    require_divisible(layer_name, "out_features", out_features, this->group);
+  } else {
+    require_divisible(layer_name, "in_features", in_features, this->group);
+  }
+  torch::NoGradGuard no_grad;
+  const auto [whole_weight, whole_bias] = linear_parameters(in_features, out_features, with_bias);
+  weight = register_slice(*this, "weight", whole_weight, split_dim, this->group);
+  if (!with_bias) return;
+  bias = split_dim == 0 ? register_slice(*this, "bias", whole_bias, 0, this->group)
+                        : register_parameter("bias", whole_bias);
+}
+
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options,
                                                    GroupPtr group)
-    : options(options), group(std::move(group)) {
-  at::Tensor whole_bias;
-  std::tie(weight, whole_bias) =
-      register_weight_slice(*this, "ColumnParallelLinear", options.in_features,
-                            options.out_features, options.bias, /*weight_dim=*/0, this->group);
-  if (options.bias) bias = register_slice(*this, "bias", whole_bias, 0, this->group);
-}
+    : ParallelLinearImpl("ColumnParallelLinear", options.in_features, options.out_features,
+                         options.bias, /*split_dim=*/0, std::move(group)),
+      options(options) {}
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor local = torch::linear(copy_to_tensor_parallel(x, group), weight, bias);
@@ -161,13 +155,9 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, GroupPtr group)
-    : options(options), group(std::move(group)) {
-  at::Tensor whole_bias;
-  std::tie(weight, whole_bias) =
-      register_weight_slice(*this, "RowParallelLinear", options.in_features, options.out_features,
-                            options.bias, /*weight_dim=*/1, this->group);
-  if (options.bias) bias = register_parameter("bias", whole_bias);  // replicated
-}
+    : ParallelLinearImpl("RowParallelLinear", options.in_features, options.out_features,
+                         options.bias, /*split_dim=*/1, std::move(group)),
+      options(options) {}
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   if (!is_parallel(group)) return torch::linear(x, weight, bias);
