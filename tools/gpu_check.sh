@@ -38,4 +38,23 @@ step "trainer on one GPU rank, 500 steps (fully_shard moves the CPU-built model 
 $run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
   --mesh 1x1 --data README.md --data docs --log-every 100 --out "$build/gpu_demo"
 
+# Streams that race show as a run that differs from the same run with every kernel
+# synchronous. Large parameters make the lanes' copies and the holds' reuse of memory real.
+step "stream-race stress: 150 steps of a 1024-wide model, bitwise equal to CUDA_LAUNCH_BLOCKING=1"
+stress() {
+  $run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
+    --mesh 1x1 --data README.md --data docs --dim 1024 --layers 4 --heads 8 --steps 150 \
+    --mp "$1" --log-every 10 --out "$build/gpu_stress_$1_$2" | grep -oE 'step +[0-9]+/[0-9]+  loss [0-9.]+  grad norm +[0-9.]+'
+}
+for mp in none bf16; do
+  stress "$mp" async >"$build/stress_async_$mp.txt"
+  CUDA_LAUNCH_BLOCKING=1 stress "$mp" blocking >"$build/stress_blocking_$mp.txt"
+  if ! cmp -s "$build/stress_async_$mp.txt" "$build/stress_blocking_$mp.txt"; then
+    echo "gpu_check: --mp $mp differs from the CUDA_LAUNCH_BLOCKING=1 run (a stream race):" >&2
+    diff "$build/stress_async_$mp.txt" "$build/stress_blocking_$mp.txt" >&2 || true
+    exit 1
+  fi
+  [ -s "$build/stress_async_$mp.txt" ] || { echo "gpu_check: no step lines" >&2; exit 1; }
+done
+
 step "done"

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
 #include "../runtime/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 
@@ -26,6 +28,41 @@ void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offs
   }
 }
 
+// Frees a reduce-scatter input this library allocated (seed 002: a view of the caller's
+// gradient is only dropped).
+void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
+  if (input.owned) {
+    free_storage(input.tensor);
+    ++stats.freed_owned;
+  } else {
+    ++stats.kept_aliased;
+  }
+}
+
+// Issues the collectives `issue` makes over `group` as one coalesced group where the
+// backend has them (NCCL: one group call, so that many small collectives cost one
+// launch); Gloo has none and runs them one by one. Returns what `issue` returned, plus
+// the group's own work. A failure while issuing ends the group before it propagates.
+template <typename Issue>
+CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) {
+  c10d::Backend* backend = &group.backend(device);
+  if (!backend->supportsCoalescing()) return CommHandle::after(issue(), {});
+  backend->startCoalescing();
+  std::vector<CommHandle> parts;
+  try {
+    parts = issue();
+  } catch (...) {
+    try {
+      CommHandle::from_work(backend->endCoalescing()).wait();
+    } catch (...) {  // secondary to the error that led here
+    }
+    throw;
+  }
+  parts.push_back(CommHandle::from_work(backend->endCoalescing(), {},
+                                        group.on_failure("coalesced collectives")));
+  return CommHandle::after(std::move(parts), {});
+}
+
 }  // namespace
 
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
@@ -38,18 +75,20 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   }
   const int64_t world = group.size();
   if (!comm_fusion) {
-    std::vector<CommHandle> gathers;
-    try {
-      for (size_t i = 0; i < params.size(); ++i) {
-        result.outputs.push_back(params[i]->all_gather_output());
-        if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
-        gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
+    result.handle = coalesced(group, inputs.front().tensor.device().type(), [&] {
+      std::vector<CommHandle> gathers;
+      try {
+        for (size_t i = 0; i < params.size(); ++i) {
+          result.outputs.push_back(params[i]->all_gather_output());
+          if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
+          gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
+        }
+      } catch (...) {
+        wait_issued(gathers);
+        throw;
       }
-    } catch (...) {
-      wait_issued(gathers);
-      throw;
-    }
-    result.handle = CommHandle::after(std::move(gathers), {});
+      return gathers;
+    });
     return result;
   }
   std::vector<int64_t> offsets;
@@ -72,17 +111,21 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   return result;
 }
 
-void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result) {
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result,
+                         CommStreams& streams) {
   for (size_t i = 0; i < params.size(); ++i) params[i]->copy_out(result.outputs[i]);
   result.outputs.clear();
-  for (const at::Tensor& buffer : result.temporaries) free_storage(buffer);
+  std::vector<at::DataPtr> memory;
+  for (const at::Tensor& buffer : result.temporaries) memory.push_back(take_storage(buffer));
   result.temporaries.clear();
+  streams.release_after_compute(Lane::kAllGather, std::move(memory));
 }
 
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         bool comm_fusion, ReduceBufferStats& stats) {
+                                         bool comm_fusion, bool keep_grads,
+                                         ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
   ReduceScatterResult result;
   const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(reduce_dtype));
@@ -105,7 +148,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
       input.narrow(1, result.offsets[i], n).copy_(part.front().tensor.view({world, n}));
       // Copied: released now rather than after the collective, so that the fused
       // input does not double the gradient memory of a reduction in flight.
-      release_reduce_inputs(part, stats);
+      release_copied_input(part.front(), stats);
+      if (keep_grads) result.grads.push_back(std::move(grads[i]));
       grads[i] = at::Tensor();
     }
     result.inputs.push_back({input.view(-1), /*owned=*/true});
@@ -113,21 +157,26 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);
-  std::vector<CommHandle> reduce_scatters;
-  try {
-    for (size_t i = 0; i < params.size(); ++i) {
-      CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
-      grads[i] = at::Tensor();
-      at::Tensor slot =
-          result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-      reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
-      result.inputs.push_back(std::move(part));
+  const auto issue = [&] {
+    std::vector<CommHandle> reduce_scatters;
+    try {
+      for (size_t i = 0; i < params.size(); ++i) {
+        CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+        if (keep_grads) result.grads.push_back(std::move(grads[i]));
+        grads[i] = at::Tensor();
+        at::Tensor slot =
+            result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
+        reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
+        result.inputs.push_back(std::move(part));
+      }
+    } catch (...) {
+      wait_issued(reduce_scatters);
+      throw;
     }
-  } catch (...) {
-    wait_issued(reduce_scatters);
-    throw;
-  }
-  result.handle = CommHandle::after(std::move(reduce_scatters), {});
+    return reduce_scatters;
+  };
+  result.handle =
+      world > 1 ? coalesced(group, options.device().type(), issue) : CommHandle::after(issue(), {});
   return result;
 }
 
@@ -140,16 +189,10 @@ void wait_issued(std::vector<CommHandle>& issued) noexcept {
   }
 }
 
-void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats) {
-  for (CommBuffer& input : inputs) {
-    if (input.owned) {
-      free_storage(input.tensor);
-      ++stats.freed_owned;
-    } else {
-      ++stats.kept_aliased;
-    }
-  }
-  inputs.clear();
+void release_reduce_inputs(ReduceScatterResult& result, ReduceBufferStats& stats) {
+  for (const CommBuffer& input : result.inputs) release_copied_input(input, stats);
+  result.inputs.clear();
+  result.grads.clear();
 }
 
 void install_reduced_grads(const std::vector<FSDPParam*>& params, const at::Tensor& buffer,

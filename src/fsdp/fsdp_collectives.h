@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "comm_streams.h"
 #include "fsdp_param.h"
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/process_group.h"
@@ -34,7 +35,8 @@ struct AllGatherResult {
 };
 
 // All-gathers inputs[i] (parameter i's padded shard in param dtype, or the part it kept
-// after forward) over `group`. Per-parameter mode issues one all-gather per parameter,
+// after forward) over `group`. Per-parameter mode issues one all-gather per parameter
+// (one coalesced group where the backend has them: NCCL; Gloo runs them one by one),
 // straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
 // copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather.
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
@@ -42,8 +44,10 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   bool comm_fusion);
 
 // After result.handle completed: every parameter's unsharded tensor holds its whole
-// value (copy-out where the all-gather did not land in place); temporaries are freed.
-void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result);
+// value (copy-out where the all-gather did not land in place, on the compute stream);
+// the temporaries are released to the all-gather lane once compute has read them.
+void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult& result,
+                         CommStreams& streams);
 
 struct ReduceScatterResult {
   CommHandle handle;
@@ -51,27 +55,33 @@ struct ReduceScatterResult {
   // fused all-reduce input, and what the sharded gradients become views of.
   at::Tensor buffer;
   std::vector<int64_t> offsets;
-  // Reduce-scatter inputs in use by the collectives; released (release_reduce_inputs)
-  // once the handle completed.
+  // Reduce-scatter inputs in use by the collectives, and with `keep_grads` the unsharded
+  // gradients they were made from; released (release_reduce_inputs) once the handle
+  // completed.
   std::vector<CommBuffer> inputs;
+  std::vector<at::Tensor> grads;
 };
 
 // Reduce-scatters grads[i] (parameter i's unsharded gradient) in `reduce_dtype` over
-// `group`, summing. Per-parameter mode reduce-scatters each gradient into its slot;
+// `group`, summing. Per-parameter mode reduce-scatters each gradient into its slot (one
+// coalesced group, as the all-gathers);
 // comm_fusion lays all of them out rank-major in one input (releasing each gradient's
 // own input as soon as it is copied) and issues one reduce-scatter into the buffer.
+// `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
+// other than the one that made them reads them (CommStreams).
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         bool comm_fusion, ReduceBufferStats& stats);
+                                         bool comm_fusion, bool keep_grads,
+                                         ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,
 // before dropping buffers that collectives already issued still write into.
 void wait_issued(std::vector<CommHandle>& issued) noexcept;
 
 // Frees the inputs this library allocated (seed 002: a view of the caller's gradient is
-// only dropped).
-void release_reduce_inputs(std::vector<CommBuffer>& inputs, ReduceBufferStats& stats);
+// only dropped), and drops the gradients kept with them.
+void release_reduce_inputs(ReduceScatterResult& result, ReduceBufferStats& stats);
 
 // Adds each parameter's slot of the reduced buffer to its sharded gradient (see
 // FSDPParam::accumulate_sharded_grad: a view of the buffer when there is none yet).

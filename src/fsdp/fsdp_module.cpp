@@ -45,7 +45,12 @@ FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::m
   if (!state_) throw std::invalid_argument("FSDPModule needs a fully_shard state");
 }
 
-CommHandle FSDPModule::unshard(bool async_op) { return state_->param_group().unshard(async_op); }
+CommHandle FSDPModule::unshard(bool async_op) {
+  // Called outside the hooks, e.g. after an optimizer step: the all-gather lane reads the
+  // shards after what compute queued.
+  state_->param_group().streams().order_after_compute();
+  return state_->param_group().unshard(async_op);
+}
 
 void FSDPModule::reshard() { state_->param_group().reshard(); }
 

@@ -160,7 +160,10 @@ at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Grou
 CommBuffer FSDPParam::all_gather_input() const {
   check_variable_holds_shard();
   const bool copied = param_dtype_ != orig_dtype_ || padded_shard_.device() != compute_device_;
-  return {padded_shard_.to(compute_device_, param_dtype_), copied};
+  // From pinned host memory the copy is asynchronous (on the all-gather lane): the host
+  // leaves the shard alone until the lanes are synchronized (end of backward).
+  const bool from_pinned = policy_.offload && policy_.pin_memory && compute_device_.is_cuda();
+  return {padded_shard_.to(compute_device_, param_dtype_, /*non_blocking=*/from_pinned), copied};
 }
 
 at::Tensor FSDPParam::all_gather_output() {
@@ -221,7 +224,7 @@ void FSDPParam::install_unsharded() {
   status_->unsharded = true;
 }
 
-void FSDPParam::install_sharded() {
+at::DataPtr FSDPParam::install_sharded() {
   if (status_->unsharded) {
     // An unsharded gradient still on the variable was never taken for reduction
     // (no backward ran since): it must not survive the shape change.
@@ -231,7 +234,7 @@ void FSDPParam::install_sharded() {
     status_->unsharded = false;
   }
   // Also when never installed: an abandoned all-gather may have filled the storage.
-  if (unsharded_param_.defined()) free_storage(unsharded_param_);
+  return unsharded_param_.defined() ? take_storage(unsharded_param_) : at::DataPtr();
 }
 
 at::Tensor& FSDPParam::sharded_grad() {

@@ -7,6 +7,7 @@
 // set_data between the local shard and the unsharded tensor.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
 
 #include <memory>
 #include <optional>
@@ -78,6 +79,7 @@ class FSDPParam {
   c10::ScalarType orig_dtype() const { return orig_dtype_; }
   c10::ScalarType param_dtype() const { return param_dtype_; }
   bool requires_grad() const { return variable_.requires_grad(); }
+  bool offloads() const { return policy_.offload; }
 
   // --- unshard / reshard -------------------------------------------------------
   // The unsharded parameter is one tensor for the parameter's whole life (in param
@@ -101,8 +103,9 @@ class FSDPParam {
   void unshard_locally();
   // Points the variable at the unsharded tensor (filled by copy_out / unshard_locally).
   void install_unsharded();
-  // Points the variable back at the shard and frees the unsharded storage.
-  void install_sharded();
+  // Points the variable back at the shard and takes the unsharded storage's memory out
+  // (empty if none): the caller frees it, now or once the device is done reading it.
+  [[nodiscard]] at::DataPtr install_sharded();
   bool is_unsharded() const { return status_->unsharded; }
   // The fully_shard-ed module's path, for error messages.
   void set_owner(std::string owner) { status_->owner = std::move(owner); }

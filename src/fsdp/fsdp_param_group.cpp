@@ -17,7 +17,8 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
     : params_(std::move(params)),
       replicated_(std::move(replicated)),
       mesh_info_(std::move(mesh_info)),
-      comm_fusion_(comm_fusion) {
+      comm_fusion_(comm_fusion),
+      streams_(std::make_shared<CommStreams>(mesh_info_.world->device())) {
   if (comm_fusion_) {
     for (const auto& p : params_) {
       if (p->param_dtype() != params_.front()->param_dtype()) {
@@ -28,6 +29,13 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
       }
     }
   }
+}
+
+bool FSDPParamGroup::offloads() const {
+  for (const auto& p : params_) {
+    if (p->offloads()) return true;
+  }
+  return false;
 }
 
 void FSDPParamGroup::set_label(std::string label) {
@@ -60,7 +68,7 @@ void FSDPParamGroup::wait_for_unshard() {
     // that the next unshard starts afresh instead of finding a pending state forever.
     state_ = State::kSharded;
     pending_unshard_ = CommHandle();
-    for (auto& p : params_) p->install_sharded();
+    install_sharded();
     throw;
   }
   trace::record(trace::Kind::kWaitEnd, "all_gather", label_);
@@ -80,7 +88,7 @@ void FSDPParamGroup::reshard() {
     error = std::current_exception();
   }
   // Sharded parameters may still hold gathered storage: a pending unshard was abandoned.
-  for (auto& p : params_) p->install_sharded();
+  install_sharded();
   if (error) std::rethrow_exception(error);
 }
 
@@ -107,6 +115,10 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   }
   std::vector<FSDPParam*> params;
   for (auto& p : params_) params.push_back(p.get());
+  // The parts kept after forward were cut by compute: the lane reads them after it. The
+  // shards need no such wait (the root orders the lanes after the optimizer's update).
+  c10::OptionalStreamGuard on_lane =
+      streams_->enter(Lane::kAllGather, /*after_compute=*/!post_forward_parts_.empty());
   std::vector<CommBuffer> inputs;
   const Group* group = mesh_info_.shard.get();
   if (!post_forward_parts_.empty()) {
@@ -119,9 +131,10 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   }
   auto result = std::make_shared<AllGatherResult>(
       all_gather_params(params, inputs, *group, comm_fusion_ && group == mesh_info_.shard.get()));
+  result->handle = streams_->complete_on_lane(Lane::kAllGather, std::move(result->handle));
   return CommHandle::after({result->handle}, [this, params, result] {
     if (state_ != State::kPending) return;
-    copy_out_all_gather(params, *result);
+    copy_out_all_gather(params, *result, *streams_);
     install_unsharded();
   });
 }
@@ -129,6 +142,14 @@ CommHandle FSDPParamGroup::issue_all_gather() {
 void FSDPParamGroup::install_unsharded() {
   for (auto& p : params_) p->install_unsharded();
   state_ = State::kUnsharded;
+}
+
+void FSDPParamGroup::install_sharded() {
+  std::vector<at::DataPtr> memory;
+  for (auto& p : params_) memory.push_back(p->install_sharded());
+  // Without communication the storage came from the compute stream: freed now.
+  if (mesh_info_.shard->size() == 1) return;
+  streams_->release_after_compute(Lane::kAllGather, std::move(memory));
 }
 
 void FSDPParamGroup::stash_replicated_grads() {
@@ -155,8 +176,14 @@ void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     }
     grad = grad.contiguous();
     pending_->replicated.emplace_back(&rp, grad);
-    pending_->replicated_all_reduces.push_back(
-        all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel));
+    c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
+    const double factor = settings.divide_factor;
+    pending_->replicated_all_reduces.push_back(streams_->complete_on_lane(
+        Lane::kAllReduce,
+        CommHandle::after({all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel)},
+                          [grad, factor]() mutable {
+                            if (factor != 1.0) grad.div_(factor);
+                          })));
   }
 }
 
@@ -195,8 +222,18 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   }
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
+  // The gradients come from compute; copy-in, padding and the collectives run on the lane.
+  c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
-                                   comm_fusion_, stats_);
+                                   comm_fusion_, /*keep_grads=*/streams_->active(), stats_);
+  // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
+  // same scale as complete ones. On a GPU the division runs on the lane too.
+  const double factor = settings.divide_factor;
+  r.scatter.handle = streams_->complete_on_lane(
+      Lane::kReduceScatter,
+      CommHandle::after({r.scatter.handle}, [buffer = r.scatter.buffer, factor]() mutable {
+        if (factor != 1.0) buffer.div_(factor);
+      }));
 }
 
 void FSDPParamGroup::wait_reduce_scatter() {
@@ -213,11 +250,8 @@ void FSDPParamGroup::wait_reduce_scatter() {
     }
     trace::record(trace::Kind::kWaitEnd, "reduce_scatter", label_);
   }
-  release_reduce_inputs(r.scatter.inputs, stats_);
+  release_reduce_inputs(r.scatter, stats_);
   if (r.params.empty()) return;
-  // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
-  // same scale as complete ones.
-  if (r.settings.divide_factor != 1.0) r.scatter.buffer.div_(r.settings.divide_factor);
   const bool has_replicas = mesh_info_.replicate->size() > 1;
   if (!has_replicas || !r.settings.all_reduce) {
     r.partial = has_replicas;
@@ -239,7 +273,10 @@ void FSDPParamGroup::start_all_reduce() {
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
   trace::record(trace::Kind::kIssue, "all_reduce", label_);
   try {
-    r.all_reduce = all_reduce(r.scatter.buffer, ReduceOp::kSum, *mesh_info_.replicate);
+    // After compute, which added the partial gradients (and waited for the reduce-scatter).
+    c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
+    r.all_reduce = streams_->complete_on_lane(
+        Lane::kAllReduce, all_reduce(r.scatter.buffer, ReduceOp::kSum, *mesh_info_.replicate));
   } catch (...) {
     discard_reduce();
     throw;
@@ -270,7 +307,6 @@ void FSDPParamGroup::finish_reduce() {
   pending_.reset();
   install_sharded_grads(r);
   for (auto& [rp, grad] : r.replicated) {
-    if (r.settings.divide_factor != 1.0) grad.div_(r.settings.divide_factor);
     rp->reduced_grad = rp->reduced_grad.defined() ? rp->reduced_grad.add_(grad) : grad;
     rp->variable.mutable_grad() = rp->reduced_grad;
   }
@@ -284,7 +320,7 @@ void FSDPParamGroup::discard_reduce() {
   std::vector<CommHandle> issued = {r.scatter.handle, r.all_reduce};
   issued.insert(issued.end(), r.replicated_all_reduces.begin(), r.replicated_all_reduces.end());
   wait_issued(issued);
-  release_reduce_inputs(r.scatter.inputs, stats_);
+  release_reduce_inputs(r.scatter, stats_);
 }
 
 void FSDPParamGroup::zero_grad() {

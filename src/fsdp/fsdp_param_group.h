@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "comm_streams.h"
 #include "fsdp_collectives.h"
 #include "fsdp_param.h"
 #include "hyperparallel/collectives.h"
@@ -57,6 +58,12 @@ class FSDPParamGroup {
   const FSDPMeshInfo& mesh_info() const { return mesh_info_; }
   // Names trace events and error messages.
   void set_label(std::string label);
+  // The streams its collectives run on: the root's, shared by the modules it drives (set
+  // at the root's lazy init; until then the group's own).
+  void set_streams(std::shared_ptr<CommStreams> streams) { streams_ = std::move(streams); }
+  CommStreams& streams() { return *streams_; }
+  // Whether some parameter keeps its shard in host memory (offload_policy).
+  bool offloads() const;
 
   // --- unshard / reshard -------------------------------------------------------
   // A failed unshard (issuing, the collective or its completion throws) leaves the group
@@ -103,6 +110,9 @@ class FSDPParamGroup {
   CommHandle issue_all_gather();
   void issue_reduce(const ReduceSettings& settings);
   void install_unsharded();
+  // Points every parameter back at its shard; the unsharded storage goes to the
+  // all-gather lane once compute is done reading it.
+  void install_sharded();
   void start_replicated_reduce(const ReduceSettings& settings);
 
   struct PendingReduce {
@@ -130,6 +140,7 @@ class FSDPParamGroup {
   std::vector<at::Tensor> post_forward_parts_;  // set while resharded to that group
   std::optional<PendingReduce> pending_;
   ReduceBufferStats stats_;
+  std::shared_ptr<CommStreams> streams_;
 };
 
 }  // namespace hp::detail

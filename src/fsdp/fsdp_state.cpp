@@ -117,7 +117,10 @@ void FSDPState::lazy_init_as_root() {
     }
     driven.emplace_back(label, state);
   }
+  // One set of communication streams for every module this root drives.
+  auto streams = std::make_shared<CommStreams>(param_group_->mesh_info().world->device());
   for (auto& [label, state] : driven) {
+    state->param_group_->set_streams(streams);
     state->root_ = weak_from_this();
     state->label_ = state.get() == this ? "root" : label;
     state->param_group_->set_label(state->label_);
@@ -190,6 +193,9 @@ void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
     for_each_live(tree_, [](FSDPState& s) { s.finish_pending_reductions(); });
     previous_forward_order_ = std::move(forward_order_);
     forward_order_.clear();
+    // The shards were last written on the compute stream (the optimizer step): the lanes
+    // read them after that, once per forward, and not after later compute.
+    param_group_->streams().order_after_compute();
   }
   if (root) root->forward_order_.push_back(weak_from_this());
   trace::record(trace::Kind::kBegin, "forward", label_);
@@ -351,11 +357,16 @@ void FSDPState::end_backward() {
     for_each_live(reducers_, [](FSDPState& s) { s.finish_pending_reductions(); });
   }
   reducers_.clear();
-  for_each_live(tree_, [](FSDPState& s) {
+  bool offloads = false;
+  for_each_live(tree_, [&offloads](FSDPState& s) {
     s.in_backward_ = false;
     // A module prefetched but not run (control flow changed) must not stay gathered.
     if (s.reshard_after_backward_) s.param_group_->reshard();
+    offloads = offloads || s.param_group_->offloads();
   });
+  // Offloaded shards and gradients are host memory the optimizer steps on next: the
+  // asynchronous copies to and from the device are waited once, here.
+  if (offloads) param_group_->streams().synchronize();
 }
 
 }  // namespace hp::detail

@@ -52,9 +52,25 @@ at::Tensor ShardedParameter::full(const at::Tensor& local_like) const {
                               shard_group());
 }
 
-void ShardedParameter::set_full(const at::Tensor& whole) const { param_->load_full(whole); }
+namespace {
 
-void ShardedParameter::set_local(const at::Tensor& local) const { param_->load_local(local); }
+// An offloaded shard may still be read by an asynchronous copy to the GPU (a forward's
+// all-gather input): the host writes it only once the copies ran.
+void before_host_write(detail::FSDPState& state, const detail::FSDPParam& param) {
+  if (param.offloads()) state.param_group().streams().synchronize();
+}
+
+}  // namespace
+
+void ShardedParameter::set_full(const at::Tensor& whole) const {
+  before_host_write(*state_, *param_);
+  param_->load_full(whole);
+}
+
+void ShardedParameter::set_local(const at::Tensor& local) const {
+  before_host_write(*state_, *param_);
+  param_->load_local(local);
+}
 
 std::optional<ShardedParameter> sharded_parameter_of(const at::Tensor& variable) {
   auto [state, param] = detail::sharded_param_of(variable);

@@ -7,6 +7,14 @@ namespace hp::detail {
 
 void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageImpl()->reset(); }
 
+at::DataPtr take_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  at::DataPtr memory =
+      storage->set_data_ptr(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+  return memory;
+}
+
 void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   if (storage->data() != nullptr) return;

@@ -1,0 +1,80 @@
+#include "comm_streams.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <memory>
+#include <utility>
+
+namespace hp::detail {
+
+CommStreams::CommStreams(c10::Device device) : device_(device) {
+  if (!active()) return;
+  const c10::impl::VirtualGuardImpl impl(device_.type());
+  // High priority, as FSDP2's: a collective ready to start is not held up by compute
+  // kernels queued before it.
+  for (auto& lane : lanes_) {
+    lane.emplace(LaneState{impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/true), {}});
+  }
+}
+
+CommStreams::~CommStreams() {
+  if (!active()) return;
+  try {
+    synchronize();
+  } catch (...) {  // a failed device: its memory is gone with it
+  }
+}
+
+c10::Stream CommStreams::compute_stream() const {
+  return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+}
+
+c10::Event CommStreams::compute_point() const {
+  c10::Event event(device_.type());
+  event.record(compute_stream());
+  return event;
+}
+
+c10::OptionalStreamGuard CommStreams::enter(Lane lane, bool after_compute) {
+  if (!active()) return c10::OptionalStreamGuard();
+  LaneState& state = lane_state(lane);
+  for (Held& held : state.held) {
+    if (!held.compute_point.query()) held.compute_point.block(state.stream);
+  }
+  state.held.clear();  // freed into the lane's pool: its later work is ordered after compute's
+  if (after_compute) compute_point().block(state.stream);
+  return c10::OptionalStreamGuard(state.stream);
+}
+
+CommHandle CommStreams::complete_on_lane(Lane lane, CommHandle handle) {
+  if (!active()) return handle;
+  handle.wait();  // on the lane's stream: ProcessGroupNCCL makes the lane wait, not the host
+  auto done = std::make_shared<c10::Event>(device_.type());
+  done->record(lane_state(lane).stream);
+  const c10::Device device = device_;
+  return CommHandle::deferred([done, device] {
+    done->block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  });
+}
+
+void CommStreams::release_after_compute(Lane lane, std::vector<at::DataPtr> memory) {
+  if (!active() || memory.empty()) return;  // dropped: freed now
+  lane_state(lane).held.push_back(Held{compute_point(), std::move(memory)});
+}
+
+void CommStreams::order_after_compute() {
+  if (!active()) return;
+  const c10::Event point = compute_point();
+  for (auto& lane : lanes_) point.block(lane->stream);
+}
+
+void CommStreams::synchronize() {
+  if (!active()) return;
+  compute_stream().synchronize();
+  for (auto& lane : lanes_) {
+    lane->stream.synchronize();
+    lane->held.clear();
+  }
+}
+
+}  // namespace hp::detail
