@@ -18,7 +18,9 @@ CommStreams::CommStreams(c10::Device device) : device_(device) {
 }
 
 CommStreams::~CommStreams() {
-  if (!active()) return;
+  bool holds = false;
+  for (const auto& lane : lanes_) holds = holds || (lane && !lane->held.empty());
+  if (!holds) return;  // nothing the device may still read
   try {
     synchronize();
   } catch (...) {  // a failed device: its memory is gone with it

@@ -38,7 +38,7 @@ class CommStreams {
  public:
   // Lanes only when `device` is a GPU.
   explicit CommStreams(c10::Device device);
-  // Waits for the lanes before freeing the memory they hold.
+  // Waits for the device before freeing the memory the lanes hold, if any.
   ~CommStreams();
   CommStreams(const CommStreams&) = delete;
   CommStreams& operator=(const CommStreams&) = delete;

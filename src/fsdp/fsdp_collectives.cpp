@@ -41,12 +41,15 @@ void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
 
 // Issues the collectives `issue` makes over `group` as one coalesced group where the
 // backend has them (NCCL: one group call, so that many small collectives cost one
-// launch); Gloo has none and runs them one by one. Returns what `issue` returned, plus
-// the group's own work. A failure while issuing ends the group before it propagates.
+// launch); Gloo has none and runs them one by one, and a one-rank group has no backend.
+// Returns what `issue` returned, plus the group's own work. A failure while issuing ends
+// the group before it propagates.
 template <typename Issue>
 CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) {
+  if (group.size() == 1 || !group.backend(device).supportsCoalescing()) {
+    return CommHandle::after(issue(), {});
+  }
   c10d::Backend* backend = &group.backend(device);
-  if (!backend->supportsCoalescing()) return CommHandle::after(issue(), {});
   backend->startCoalescing();
   std::vector<CommHandle> parts;
   try {
@@ -175,8 +178,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     }
     return reduce_scatters;
   };
-  result.handle =
-      world > 1 ? coalesced(group, options.device().type(), issue) : CommHandle::after(issue(), {});
+  result.handle = coalesced(group, options.device().type(), issue);
   return result;
 }
 
