@@ -12,7 +12,11 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <optional>
 #include <random>
+#include <string>
 
 #include "checkpoint_test_util.h"
 #include "cpu_memory_probe.h"
@@ -211,12 +215,18 @@ bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
   return false;
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream stream(path);
+  return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
+}
+
 // Two ranks saving one checkpoint after the other (each its shards) have rank 0 killed
 // (SIGKILL) at 20 random moments, hp-run then stopping the other: the newest complete
 // checkpoint always loads, whole and from one step.
 TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
   const fs::path root = fs::temp_directory_path() / ("hp_sharded_kill_" + std::to_string(getpid()));
   fs::remove_all(root);
+  const std::string log_path = root.string() + ".log";
   torch::nn::Sequential model = stepped_model();
   save_step(model, root.string(), 1);
   std::mt19937 random(2026);
@@ -233,20 +243,42 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
     const pid_t launcher = fork();
     ASSERT_GE(launcher, 0);
     if (launcher == 0) {
-      const int null = open("/dev/null", O_WRONLY);  // 20 runs' "rank 0 was killed" lines
-      dup2(null, STDOUT_FILENO);
-      dup2(null, STDERR_FILENO);
+      // This round's output only (20 rounds of "rank 0 was killed" lines): shown if it fails.
+      const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(log, STDOUT_FILENO);
+      dup2(log, STDERR_FILENO);
       execl(HP_RUN_PATH, HP_RUN_PATH, "-n", "2", "--", HP_SAVER_PATH, root.c_str(),
             first_step.c_str(), nullptr);
       _exit(127);
     }
     // Rank 0 killed once the ranks save (LibTorch takes a while to load), at a random
-    // moment after.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (latest_checkpoint(root.string()) == before || !fs::exists(pid_file)) {
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the saver saves nothing";
-      usleep(1000);
+    // moment after. A saver that exits first fails the round at once, with its output; one
+    // that hangs fails it at a deadline per phase (start-up, then one save), and is stopped.
+    const auto wait_for = [&](const std::string& phase, int seconds,
+                              const std::function<bool()>& done) -> std::optional<std::string> {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+      while (!done()) {
+        int status = 0;
+        if (waitpid(launcher, &status, WNOHANG) == launcher) {
+          return "the saver exited during " + phase + " (status " + std::to_string(status) +
+                 "):\n" + read_file(log_path);
+        }
+        if (std::chrono::steady_clock::now() > deadline) {
+          kill(launcher, SIGTERM);  // hp-run stops its ranks
+          waitpid(launcher, &status, 0);
+          return "the saver did not finish " + phase + " within " + std::to_string(seconds) +
+                 " s:\n" + read_file(log_path);
+        }
+        usleep(5000);
+      }
+      return std::nullopt;
+    };
+    std::optional<std::string> failure =
+        wait_for("start-up", 120, [&] { return fs::exists(pid_file); });
+    if (!failure) {
+      failure = wait_for("a save", 60, [&] { return latest_checkpoint(root.string()) != before; });
     }
+    ASSERT_FALSE(failure.has_value()) << "round " << kill_number << ": " << *failure;
     usleep(std::uniform_int_distribution<useconds_t>(0, 100000)(random));
     pid_t rank0 = 0;
     std::ifstream(pid_file) >> rank0;
@@ -271,6 +303,7 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
   std::printf("kills that interrupted a save: %d of 20\n", interrupted);
   EXPECT_GT(interrupted, 0) << "no kill landed inside a save: the test proved nothing";
   fs::remove_all(root);
+  fs::remove(log_path);
 }
 
 }  // namespace
