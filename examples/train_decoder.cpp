@@ -476,7 +476,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
     const hp::trainer::Batch batch = batches->at_step(step);
     // The third step: the implicit prefetch order is known and warm-up allocations are done.
     const bool traced = !o.trace.empty() && step == done + 3;
-    if (traced) hp::trace::start();
+    if (traced) hp::trace::start(world->device());
     for (auto& group : optimizer.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     }

@@ -8,9 +8,11 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
+#include "hyperparallel/trace.h"
 #include "models/mlp.h"
 
 namespace hp {
@@ -28,8 +30,9 @@ std::map<std::string, at::Tensor> on_cpu(const std::map<std::string, at::Tensor>
 
 // Two AdamW steps of the model fully_shard-ed with `options` on the GPU and of the
 // reference on the CPU, on the same batches: the largest difference of the losses, of
-// the gradients and of the parameters after each step.
-double largest_difference(const FullyShardOptions& options) {
+// the gradients and of the parameters after each step. Each step accumulates the
+// gradients of `backwards` forward-backward passes.
+double largest_difference(const FullyShardOptions& options, int backwards = 1) {
   const c10::Device device = testing::world()->device();
   EXPECT_TRUE(device.is_cuda()) << device;
   auto [reference, model] = testing::build_from_seed<Mlp>(42, 5, 64, 96, 3, 3);
@@ -46,14 +49,23 @@ double largest_difference(const FullyShardOptions& options) {
     const at::Tensor x = torch::randn({12, 5}), y = torch::randn({12, 3});
     ref_opt.zero_grad();
     opt.zero_grad();
-    const at::Tensor ref_loss = torch::mse_loss(reference->forward(x), y);
-    ref_loss.backward();
-    const at::Tensor loss = torch::mse_loss(model(x.to(device)), y.to(device));
-    EXPECT_EQ(loss.device(), device);
-    loss.backward();
-    largest = std::max(largest, std::abs(loss.item<double>() - ref_loss.item<double>()));
+    for (int pass = 0; pass < backwards; ++pass) {
+      const at::Tensor ref_loss = torch::mse_loss(reference->forward(x * (pass + 1)), y);
+      ref_loss.backward();
+      const at::Tensor loss = torch::mse_loss(model((x * (pass + 1)).to(device)), y.to(device));
+      EXPECT_EQ(loss.device(), device);
+      loss.backward();
+      largest = std::max(largest, std::abs(loss.item<double>() - ref_loss.item<double>()));
+    }
     largest = std::max(largest, testing::max_abs_diff(on_cpu(testing::full_grads(parts)),
                                                       testing::reference_grads(*reference)));
+    if (options.offload_policy.offload) {
+      // Copied to pinned host memory without blocking the host (synchronized at the end of
+      // backward).
+      for (const auto& p : model->parameters()) {
+        if (p.grad().defined()) EXPECT_TRUE(p.grad().is_pinned());
+      }
+    }
     ref_opt.step();
     opt.step();
     largest = std::max(largest, testing::max_abs_diff(on_cpu(testing::full_params(parts)),
@@ -78,6 +90,40 @@ HP_DIST_TEST(Cuda, OffloadedShardsRoundTripThroughTheGpu, 1) {
   offloaded.offload_policy.offload = true;
   offloaded.offload_policy.pin_memory = true;
   EXPECT_LE(largest_difference(offloaded), 1e-5);
+  // The second backward adds to the host gradient the first one copied asynchronously.
+  EXPECT_LE(largest_difference(offloaded, /*backwards=*/2), 1e-5);
+}
+
+// On a GPU the trace is timed by CUDA events: every span is well formed on the device's
+// clock (a begin before its end, a collective's issue before its done), in the order the
+// host recorded them.
+HP_DIST_TEST(Cuda, TraceTimesSpansWithDeviceEvents, 1) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here";
+  const c10::Device device = testing::world()->device();
+  auto built = testing::build_from_seed<Mlp>(42, 5, 64, 96, 3, 3);
+  auto& model = built.model;
+  testing::ShardedParts parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.");
+  const at::Tensor x = torch::randn({12, 5}).to(device), y = torch::randn({12, 3}).to(device);
+  torch::mse_loss(model(x), y).backward();  // warm-up: allocations and the prefetch order
+  trace::start(device);
+  torch::mse_loss(model(x), y).backward();
+  const std::vector<trace::Event> events = trace::stop();
+  std::map<std::string, std::vector<double>> open;  // op + module -> begin times
+  int spans = 0;
+  for (const trace::Event& e : events) {
+    EXPECT_TRUE(std::isfinite(e.time_us) && e.time_us >= 0) << trace::describe(e);
+    const std::string key = e.op + " " + e.module;
+    if (e.kind == trace::Kind::kBegin || e.kind == trace::Kind::kIssue) {
+      open[key].push_back(e.time_us);
+    } else if (e.kind == trace::Kind::kEnd || e.kind == trace::Kind::kWaitEnd) {
+      ASSERT_FALSE(open[key].empty()) << trace::describe(e);
+      EXPECT_LE(open[key].front(), e.time_us) << trace::describe(e);
+      open[key].erase(open[key].begin());
+      ++spans;
+    }
+  }
+  // Forward and backward of the root and the three blocks at least.
+  EXPECT_GE(spans, 8);
 }
 
 }  // namespace

@@ -3,6 +3,11 @@
 // CommHandle; tensors must stay alive and untouched until wait(). Group ranks (not
 // global ranks) name peers. On a group of size 1 nothing is communicated: the result
 // is produced locally and the handle is a no-op.
+// Tensors are communicated on their device's backend (Gloo for CPU, NCCL for CUDA). On
+// a GPU job without Gloo (WorldOptions::gloo_on_gpu unset) a CPU tensor goes through the
+// group's GPU: copied there when issued and back into the caller's tensor by wait(),
+// which blocks the host until the device ran it (keep hot paths on device tensors). A
+// failure there is NCCL's: its watchdog ends the process after the World's timeout.
 
 #include <ATen/core/Tensor.h>
 

@@ -36,8 +36,16 @@ class Group {
   int64_t rank() const { return rank_; }  // this process's rank within the group
   const std::vector<int64_t>& ranks() const { return ranks_; }  // global ranks, ascending
 
+  // The device the group communicates on: its World's (World::device()).
+  c10::Device device() const { return device_; }
+  // Whether CPU tensors are communicated as they are, by Gloo: on a CPU World always; on a
+  // GPU World only when asked for (WorldOptions::gloo_on_gpu). Without it, the
+  // collectives of collectives.h move CPU tensors through device() and back. (A group of
+  // one rank has no backend at all: nothing is communicated.)
+  bool has_cpu_backend() const { return cpu_backend_ != nullptr; }
+
   // The backend for tensors on `device_type`: Gloo for CPU, NCCL for CUDA (when built
-  // with CUDA). Throws for size-1 groups, which need none, and for unsupported devices.
+  // with CUDA). Throws for size-1 groups, which need none, and for devices it has none for.
   c10d::Backend& backend(c10::DeviceType device_type) const;
 
   // Counts a collective issued on this group (every member issues the same ones in the
@@ -50,13 +58,14 @@ class Group {
   // World::shutdown: ends the backends; backend() throws from then on.
   void shut_down();
   // `store` (the world's): where members report a failed collective to one another.
-  Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
+  Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group, c10::Device device,
         c10::intrusive_ptr<c10d::Backend> cpu_backend,
         c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store);
 
   std::string name_;
   std::vector<int64_t> ranks_;
   int64_t rank_;
+  c10::Device device_;
   c10::intrusive_ptr<c10d::Backend> cpu_backend_;
   c10::intrusive_ptr<c10d::Backend> cuda_backend_;
   c10::intrusive_ptr<c10d::Store> store_;
@@ -73,6 +82,11 @@ struct WorldOptions {
   // did not arrive, never hang. Unset: HP_TIMEOUT_S from the environment (seconds), else
   // 5 minutes.
   std::optional<std::chrono::milliseconds> timeout;
+  // On a GPU World, also give every group a Gloo backend, so that CPU tensors are
+  // communicated without passing through the GPU. Off by default, as in an NCCL-only
+  // PyTorch job: no Gloo connections are made, and CPU tensors (flags, counts, checkpoint
+  // metadata) travel through the GPU. A CPU World always has Gloo.
+  bool gloo_on_gpu = false;
 };
 
 class World {
@@ -120,11 +134,15 @@ class World {
   int64_t next_mesh_id() { return mesh_count_++; }
 
   World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-        std::chrono::milliseconds timeout, c10::Device device);
+        std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu);
   // After the world group's rendezvous: device_ stays a GPU only if every rank has one.
   void agree_on_device();
-  GroupPtr make_group(const std::string& name, std::vector<int64_t> ranks,
-                      const std::string& operation, std::chrono::steady_clock::time_point deadline);
+  // Checks `ranks` (sorted here) and waits until every member arrived; returns this rank's
+  // index in them.
+  int join(const std::string& name, std::vector<int64_t>& ranks, const std::string& operation,
+           std::chrono::steady_clock::time_point deadline);
+  // The group's backends on the agreed device, after join().
+  GroupPtr add_group(const std::string& name, std::vector<int64_t> ranks, int rank_in_group);
 
   int64_t rank_;
   int64_t size_;
@@ -135,6 +153,7 @@ class World {
   std::map<std::string, GroupPtr> groups_;
   int64_t mesh_count_ = 0;
   c10::Device device_;
+  bool gloo_on_gpu_;
   bool shut_down_ = false;
 };
 

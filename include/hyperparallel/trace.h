@@ -3,6 +3,15 @@
 // (and recompute) compute span, and each collective's issue, start of wait and end of wait. Off by
 // default (one branch per event when off). Written as Chrome trace JSON (chrome://tracing,
 // Perfetto) or drawn as an SVG picture.
+//
+// Times are those of the device traced. On the CPU, the host's clock when the event
+// happens. On a GPU, device time: each event is a CUDA event recorded on the stream
+// current when it happens (compute spans and waits on the compute stream, a collective's
+// issue on its communication stream), and its time is read when the trace stops. So a
+// wait is the time the compute stream stood still, and a collective is in flight from
+// when its stream started it to when compute had its result, on both.
+
+#include <c10/core/Device.h>
 
 #include <string>
 #include <string_view>
@@ -18,11 +27,14 @@ struct Event {
   // backward), "all_gather", "reduce_scatter", "all_reduce"
   std::string op;
   std::string module;  // the fully_shard-ed module ("root", "layers.0", ...)
-  double time_us;      // since start()
+  double time_us;      // since start(), on the traced device's clock
 };
 
-void start();               // clears earlier events and starts recording
-std::vector<Event> stop();  // stops recording and returns the events in order
+// Clears earlier events and starts recording, timed on `device` (World::device()).
+void start(c10::Device device = c10::Device(c10::kCPU));
+// Stops recording and returns the events in the order they were recorded (on a GPU,
+// after waiting for the device to reach the last of them).
+std::vector<Event> stop();
 bool enabled();
 void record(Kind kind, std::string_view op, std::string_view module);
 

@@ -81,7 +81,7 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
       variable_.options().device(compute_device_).requires_grad(false);
   if (policy_.offload) {
     shard_options = shard_options.device(at::kCPU);
-    shard_options = shard_options.pinned_memory(policy_.pin_memory && compute_device_.is_cuda());
+    shard_options = shard_options.pinned_memory(offloads_pinned());
   }
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
   sharded_view_ =
@@ -162,8 +162,8 @@ CommBuffer FSDPParam::all_gather_input() const {
   const bool copied = param_dtype_ != orig_dtype_ || padded_shard_.device() != compute_device_;
   // From pinned host memory the copy is asynchronous (on the all-gather lane): the host
   // leaves the shard alone until the lanes are synchronized (end of backward).
-  const bool from_pinned = policy_.offload && policy_.pin_memory && compute_device_.is_cuda();
-  return {padded_shard_.to(compute_device_, param_dtype_, /*non_blocking=*/from_pinned), copied};
+  return {padded_shard_.to(compute_device_, param_dtype_, /*non_blocking=*/offloads_pinned()),
+          copied};
 }
 
 at::Tensor FSDPParam::all_gather_output() {
@@ -320,8 +320,7 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
     if (main_grad_.defined()) {
       main_grad_.add_(local.to(shard_device, at::kFloat));
     } else {
-      main_grad_ =
-          local.to(shard_device, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      main_grad_ = copy_to_shard_memory(local, at::kFloat);
     }
     grad = main_grad_;
   } else if (grad.defined()) {
@@ -333,9 +332,22 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
     grad = at::empty({0}, local.options())
                .set_(local.storage(), local.storage_offset(), local.sizes(), local.strides());
   } else {
-    grad = local.to(shard_device, orig_dtype_, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    grad = copy_to_shard_memory(local, orig_dtype_);
   }
   grad_is_partial_ = partial;
+}
+
+at::Tensor FSDPParam::copy_to_shard_memory(const at::Tensor& local, c10::ScalarType dtype) const {
+  if (!offloads_pinned()) {
+    return local.to(padded_shard_.device(), dtype, /*non_blocking=*/false, /*copy=*/true)
+        .contiguous();
+  }
+  // Cast and laid out on the device, then copied into pinned host memory without waiting:
+  // the host reads it after the root's end-of-backward synchronization.
+  at::Tensor host =
+      at::empty(local.sizes(), padded_shard_.options().dtype(dtype).pinned_memory(true));
+  host.copy_(local.to(dtype).contiguous(), /*non_blocking=*/true);
+  return host;
 }
 
 void FSDPParam::zero_grad() {

@@ -160,6 +160,14 @@ class FSDPParam {
  private:
   // Whether unsharding needs no buffer of its own: one shard rank, no cast, no move.
   bool unsharded_aliases_shard() const;
+  // Whether the shard and its gradient live in pinned host memory, so that copies between
+  // them and the GPU need not block the host.
+  bool offloads_pinned() const {
+    return policy_.offload && policy_.pin_memory && compute_device_.is_cuda();
+  }
+  // `local` (on the compute device) as a new contiguous tensor of `dtype` where the shard
+  // lives. Into pinned host memory the copy is asynchronous, on the current stream.
+  at::Tensor copy_to_shard_memory(const at::Tensor& local, c10::ScalarType dtype) const;
   // A gradient reaches the parameter only while it is unsharded: between the module's
   // pre-backward and post-backward hooks. One that reaches the shard comes from a forward
   // that ran without fully_shard's hooks (the module called through its plain holder):

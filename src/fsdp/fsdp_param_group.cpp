@@ -46,7 +46,6 @@ void FSDPParamGroup::set_label(std::string label) {
 CommHandle FSDPParamGroup::unshard(bool async) {
   if (state_ == State::kSharded) {
     state_ = State::kPending;
-    trace::record(trace::Kind::kIssue, "all_gather", label_);
     try {
       pending_unshard_ = issue_all_gather();
     } catch (...) {  // e.g. out of memory for the unsharded storage: stay sharded
@@ -105,6 +104,7 @@ void FSDPParamGroup::reshard_to_post_forward_group() {
 CommHandle FSDPParamGroup::issue_all_gather() {
   // Every path installs only if the unshard is still wanted when it completes.
   if (mesh_info_.shard->size() == 1 || params_.empty()) {
+    trace::record(trace::Kind::kIssue, "all_gather", label_);
     // No communication: record the pending unshard; materialise from the latest shard
     // when someone waits (seed 000).
     return CommHandle::deferred([this] {
@@ -119,6 +119,8 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   // shards need no such wait (the root orders the lanes after the optimizer's update).
   c10::OptionalStreamGuard on_lane =
       streams_->enter(Lane::kAllGather, /*after_compute=*/!post_forward_parts_.empty());
+  // With the lane current: on a GPU the issue is timed where the lane starts it.
+  trace::record(trace::Kind::kIssue, "all_gather", label_);
   std::vector<CommBuffer> inputs;
   const Group* group = mesh_info_.shard.get();
   if (!post_forward_parts_.empty()) {
@@ -220,10 +222,10 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
     if (r.replicated.empty()) pending_.reset();  // nothing to reduce (sync off, frozen)
     return;
   }
-  trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
   // The gradients come from compute; copy-in, padding and the collectives run on the lane.
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
+  trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
                                    comm_fusion_, /*keep_grads=*/streams_->active(), stats_);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
@@ -271,10 +273,10 @@ void FSDPParamGroup::start_all_reduce() {
       r.scatter.buffer.narrow(0, r.scatter.offsets[i], partial.numel()).add_(partial);
   }
   // Zero-copy: the reduce-scatters wrote into this buffer; one all-reduce covers it.
-  trace::record(trace::Kind::kIssue, "all_reduce", label_);
   try {
     // After compute, which added the partial gradients (and waited for the reduce-scatter).
     c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
+    trace::record(trace::Kind::kIssue, "all_reduce", label_);
     r.all_reduce = streams_->complete_on_lane(
         Lane::kAllReduce, all_reduce(r.scatter.buffer, ReduceOp::kSum, *mesh_info_.replicate));
   } catch (...) {
@@ -284,6 +286,11 @@ void FSDPParamGroup::start_all_reduce() {
 }
 
 void FSDPParamGroup::install_sharded_grads(PendingReduce& r) {
+  // Offloaded gradients are copied to host memory on the reduce-scatter lane, after the
+  // compute that waited for the reduction, so that compute does not queue behind them.
+  c10::OptionalStreamGuard on_lane =
+      offloads() ? streams_->enter(Lane::kReduceScatter, /*after_compute=*/true)
+                 : c10::OptionalStreamGuard();
   install_reduced_grads(r.params, r.scatter.buffer, r.scatter.offsets, r.partial);
   r.params.clear();
 }

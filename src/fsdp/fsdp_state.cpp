@@ -190,7 +190,12 @@ void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
     for_each_live(tree_, [](FSDPState& s) { s.post_backward_hooks_pending_ = 0; });
     // Reductions left pending by a backward with set_is_last_backward(false) finish
     // before parameters are used again.
-    for_each_live(tree_, [](FSDPState& s) { s.finish_pending_reductions(); });
+    bool finished = false;
+    for_each_live(tree_, [&finished](FSDPState& s) {
+      finished = finished || s.param_group_->reduce_pending();
+      s.finish_pending_reductions();
+    });
+    if (finished) synchronize_if_offloading();
     previous_forward_order_ = std::move(forward_order_);
     forward_order_.clear();
     // The shards were last written on the compute stream (the optimizer step): the lanes
@@ -357,13 +362,18 @@ void FSDPState::end_backward() {
     for_each_live(reducers_, [](FSDPState& s) { s.finish_pending_reductions(); });
   }
   reducers_.clear();
-  bool offloads = false;
-  for_each_live(tree_, [&offloads](FSDPState& s) {
+  for_each_live(tree_, [](FSDPState& s) {
     s.in_backward_ = false;
     // A module prefetched but not run (control flow changed) must not stay gathered.
     if (s.reshard_after_backward_) s.param_group_->reshard();
-    offloads = offloads || s.param_group_->offloads();
   });
+  synchronize_if_offloading();
+}
+
+void FSDPState::synchronize_if_offloading() {
+  bool offloads = false;
+  for_each_live(tree_,
+                [&offloads](FSDPState& s) { offloads = offloads || s.param_group_->offloads(); });
   // Offloaded shards and gradients are host memory the optimizer steps on next: the
   // asynchronous copies to and from the device are waited once, here.
   if (offloads) param_group_->streams().synchronize();

@@ -77,6 +77,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void begin_backward();
   void post_backward();
   void end_backward();
+  // The root, when a module of its tree offloads: blocks until the device has run the
+  // copies to and from host memory, before the host uses that memory.
+  void synchronize_if_offloading();
   // Exception safety: a backward that threw (in these hooks or in any other node) leaves
   // no module unsharded, no reduction pending and no flag set for the next one.
   void backward_failed() noexcept;

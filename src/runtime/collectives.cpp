@@ -1,6 +1,7 @@
 #include "hyperparallel/collectives.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <cctype>
@@ -66,9 +67,55 @@ std::function<void()> average_after(ReduceOp op, at::Tensor result, int64_t grou
   return [result, group_size]() mutable { result.div_(group_size); };
 }
 
-c10d::Backend& backend_for(const Group& group, const at::Tensor& tensor) {
-  return group.backend(tensor.device().type());
-}
+// How a collective's tensors reach the group's backend. A CPU tensor on a group without
+// a CPU backend (a GPU World's, unless WorldOptions::gloo_on_gpu) goes through the group's
+// device: copied there when issued and back when the collective completes. Other tensors
+// go as they are.
+class Transport {
+ public:
+  Transport(const Group& group, const at::Tensor& tensor)
+      : staged_(tensor.device().is_cpu() && !group.has_cpu_backend()),
+        device_(group.device()),
+        backend_(group.backend(staged_ ? device_.type() : tensor.device().type())) {}
+
+  c10d::Backend& backend() const { return backend_; }
+  // What the backend reads.
+  at::Tensor input(const at::Tensor& tensor) {
+    if (!staged_) return tensor;
+    inputs_.push_back(tensor.to(device_));
+    return inputs_.back();
+  }
+  // What the backend writes (and, `read_too`, reads first): copied into `tensor` on
+  // completion.
+  at::Tensor output(const at::Tensor& tensor, bool read_too = false) {
+    if (!staged_) return tensor;
+    at::Tensor on_device =
+        read_too ? tensor.to(device_) : at::empty_like(tensor, tensor.options().device(device_));
+    copy_back_.emplace_back(tensor, on_device);
+    return on_device;
+  }
+  // The completion callback: the copies back, then `then`. The staged tensors live until
+  // the device has run the collective (the work's wait only orders the current stream
+  // after it), so their memory is never reused under it.
+  std::function<void()> completion(std::function<void()> then) {
+    if (!staged_) return then;
+    return [copy_back = std::move(copy_back_), keep = std::move(inputs_), device = device_,
+            then = std::move(then)]() mutable {
+      c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+      for (auto& [host, on_device] : copy_back) host.copy_(on_device);
+      copy_back.clear();
+      keep.clear();
+      if (then) then();
+    };
+  }
+
+ private:
+  bool staged_;
+  c10::Device device_;
+  c10d::Backend& backend_;
+  std::vector<at::Tensor> inputs_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;  // (the caller's, on device)
+};
 
 void check_peer(int64_t peer, const Group& group, const char* op) {
   require(peer >= 0 && peer < group.size(),
@@ -83,7 +130,7 @@ void check_peer(int64_t peer, const Group& group, const char* op) {
 // precision floats in fp32.
 CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat, ReduceOp op,
                                         const Group& group) {
-  c10d::Backend& backend = backend_for(group, in_flat);
+  c10d::Backend& backend = group.backend(in_flat.device().type());
   const int64_t group_size = group.size();
   at::Tensor received = at::empty_like(in_flat);
   std::vector<int64_t> equal_splits;
@@ -153,7 +200,11 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
     out_flat.copy_(in_flat);
     return {};
   }
-  return CommHandle::from_work(backend_for(group, input)._allgather_base(out_flat, in_flat), {},
+  Transport transport(group, input);
+  at::Tensor out = transport.output(out_flat);
+  at::Tensor in = transport.input(in_flat);
+  auto work = transport.backend()._allgather_base(out, in);
+  return CommHandle::from_work(std::move(work), transport.completion({}),
                                group.on_failure("all_gather"));
 }
 
@@ -167,25 +218,30 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
     out_flat.copy_(in_flat);
     return {};
   }
-  c10d::Backend& backend = backend_for(group, input);
-  if (backend.getBackendName() == "gloo") {
+  Transport transport(group, input);
+  if (transport.backend().getBackendName() == "gloo") {
     return reduce_scatter_by_all_to_all(out_flat, in_flat, op, group);
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = backend_op(op);
-  auto work = backend._reduce_scatter_base(out_flat, in_flat, options);
-  return CommHandle::from_work(std::move(work), average_after(op, output, group.size()),
+  at::Tensor out = transport.output(out_flat);
+  at::Tensor in = transport.input(in_flat);
+  auto work = transport.backend()._reduce_scatter_base(out, in, options);
+  return CommHandle::from_work(std::move(work),
+                               transport.completion(average_after(op, output, group.size())),
                                group.on_failure("reduce_scatter"));
 }
 
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   require_contiguous(tensor, "all_reduce", "tensor");
   if (group.size() == 1) return {};
-  std::vector<at::Tensor> tensors{tensor};
+  Transport transport(group, tensor);
+  std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::AllreduceOptions options;
   options.reduceOp = backend_op(op);
-  auto work = backend_for(group, tensor).allreduce(tensors, options);
-  return CommHandle::from_work(std::move(work), average_after(op, tensor, group.size()),
+  auto work = transport.backend().allreduce(tensors, options);
+  return CommHandle::from_work(std::move(work),
+                               transport.completion(average_after(op, tensor, group.size())),
                                group.on_failure("all_reduce"));
 }
 
@@ -215,42 +271,48 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
     output.copy_(input);
     return {};
   }
-  at::Tensor out = output;
-  at::Tensor in = input;
-  return CommHandle::from_work(
-      backend_for(group, input).alltoall_base(out, in, output_splits, input_splits), {},
-      group.on_failure("all_to_all"));
+  Transport transport(group, input);
+  at::Tensor out = transport.output(output);
+  at::Tensor in = transport.input(input);
+  auto work = transport.backend().alltoall_base(out, in, output_splits, input_splits);
+  return CommHandle::from_work(std::move(work), transport.completion({}),
+                               group.on_failure("all_to_all"));
 }
 
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   require_contiguous(tensor, "broadcast", "tensor");
   check_peer(src, group, "broadcast");
   if (group.size() == 1) return {};
-  std::vector<at::Tensor> tensors{tensor};
+  Transport transport(group, tensor);
+  std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::BroadcastOptions options;
   options.rootRank = src;
-  return CommHandle::from_work(backend_for(group, tensor).broadcast(tensors, options), {},
+  auto work = transport.backend().broadcast(tensors, options);
+  return CommHandle::from_work(std::move(work), transport.completion({}),
                                group.on_failure("broadcast"));
 }
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
   check_point_to_point(tensor, dst, group, "send", "send to");
-  std::vector<at::Tensor> tensors{tensor};
-  return CommHandle::from_work(
-      backend_for(group, tensor).send(tensors, static_cast<int>(dst), tag));
+  Transport transport(group, tensor);
+  std::vector<at::Tensor> tensors{transport.input(tensor)};
+  auto work = transport.backend().send(tensors, static_cast<int>(dst), tag);
+  return CommHandle::from_work(std::move(work), transport.completion({}));
 }
 
 CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
   check_point_to_point(tensor, src, group, "recv", "receive from");
-  std::vector<at::Tensor> tensors{tensor};
-  return CommHandle::from_work(
-      backend_for(group, tensor).recv(tensors, static_cast<int>(src), tag));
+  Transport transport(group, tensor);
+  std::vector<at::Tensor> tensors{transport.output(tensor)};
+  auto work = transport.backend().recv(tensors, static_cast<int>(src), tag);
+  return CommHandle::from_work(std::move(work), transport.completion({}));
 }
 
 CommHandle barrier(const Group& group) {
   if (group.size() == 1) return {};
-  return CommHandle::from_work(group.backend(c10::DeviceType::CPU).barrier(), {},
-                               group.on_failure("barrier"));
+  // Gloo where the group has it; else NCCL's barrier, an all-reduce on the bound GPU.
+  const c10::DeviceType on = group.has_cpu_backend() ? c10::kCPU : group.device().type();
+  return CommHandle::from_work(group.backend(on).barrier(), {}, group.on_failure("barrier"));
 }
 
 }  // namespace hp

@@ -43,11 +43,12 @@ std::string device_key(int64_t rank) { return "hp/device/" + std::to_string(rank
 }  // namespace
 
 Group::Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
-             c10::intrusive_ptr<c10d::Backend> cpu_backend,
+             c10::Device device, c10::intrusive_ptr<c10d::Backend> cpu_backend,
              c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store)
     : name_(std::move(name)),
       ranks_(std::move(ranks)),
       rank_(rank_in_group),
+      device_(device),
       cpu_backend_(std::move(cpu_backend)),
       cuda_backend_(std::move(cuda_backend)),
       store_(std::move(store)) {}
@@ -86,6 +87,12 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
   }
   if (device_type == c10::DeviceType::CPU && cpu_backend_) return *cpu_backend_;
   if (device_type == c10::DeviceType::CUDA && cuda_backend_) return *cuda_backend_;
+  if (device_type == c10::DeviceType::CPU) {
+    throw std::invalid_argument("group '" + name_ +
+                                "' has no Gloo backend for CPU tensors: this GPU job was "
+                                "started without one (set WorldOptions::gloo_on_gpu), and "
+                                "collectives.h moves CPU tensors through the GPU");
+  }
   throw std::invalid_argument("group '" + name_ + "' has no backend for " +
                               c10::DeviceTypeName(device_type) +
                               " tensors (CPU uses Gloo; CUDA uses NCCL, which needs a LibTorch "
@@ -94,13 +101,14 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-             std::chrono::milliseconds timeout, c10::Device device)
+             std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu)
     : rank_(rank),
       size_(size),
       local_address_(std::move(address)),
       store_(std::move(store)),
       timeout_(timeout),
-      device_(device) {}
+      device_(device),
+      gloo_on_gpu_(gloo_on_gpu) {}
 
 World::~World() = default;
 
@@ -124,15 +132,18 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   const auto deadline = detail::Deadline::after(timeout);
   detail::StoreConnection connection = detail::connect_store(env, deadline);
   std::shared_ptr<World> world(new World(env.rank, env.world_size, connection.local_address,
-                                         connection.store, timeout, own_device(env)));
+                                         connection.store, timeout, own_device(env),
+                                         options.gloo_on_gpu));
   // Read back once every rank has arrived in the world group's rendezvous below.
   const std::string own = world->device_.is_cuda() ? "cuda" : "cpu";
   connection.store->set(device_key(env.rank), std::vector<uint8_t>(own.begin(), own.end()));
   std::vector<int64_t> all(env.world_size);
   for (int64_t r = 0; r < env.world_size; ++r) all[r] = r;
-  world->world_group_ = world->make_group(
+  const int me = world->join(
       "world", all, "start-up join of " + std::to_string(env.world_size) + " ranks", deadline.at);
+  // The world group's backends are made for the device every rank agreed on.
   world->agree_on_device();
+  world->world_group_ = world->add_group("world", std::move(all), me);
   return world;
 }
 
@@ -144,7 +155,6 @@ void World::agree_on_device() {
       const std::vector<uint8_t> theirs = store_->get(device_key(r));
       if (std::string(theirs.begin(), theirs.end()) != "cuda") {
         device_ = c10::Device(c10::DeviceType::CPU);
-        world_group_->cuda_backend_.reset();  // made for a GPU this job will not use
         return;
       }
     }
@@ -160,13 +170,13 @@ GroupPtr World::find_group(const std::string& name) const {
 }
 
 GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
-  return make_group(name, std::move(ranks), "creating group '" + name + "'",
-                    std::chrono::steady_clock::now() + timeout_);
+  const int rank_in_group = join(name, ranks, "creating group '" + name + "'",
+                                 std::chrono::steady_clock::now() + timeout_);
+  return add_group(name, std::move(ranks), rank_in_group);
 }
 
-GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
-                           const std::string& operation,
-                           std::chrono::steady_clock::time_point deadline) {
+int World::join(const std::string& name, std::vector<int64_t>& ranks, const std::string& operation,
+                std::chrono::steady_clock::time_point deadline) {
   if (shut_down_) {
     throw std::logic_error("cannot create group '" + name +
                            "': this World was shut down (World::shutdown)");
@@ -187,19 +197,26 @@ GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
     throw std::invalid_argument("group '" + name + "' does not contain this rank (" +
                                 std::to_string(rank_) + "); only members create a group");
   }
-  const int rank_in_group = static_cast<int>(me - ranks.begin());
+  // Every member arrives first, so that one missing is named (Gloo's own connection step
+  // would only time out).
+  if (ranks.size() > 1) {
+    detail::await_ranks(store_, "hp/" + name, operation, ranks, rank_, {deadline, timeout_});
+  }
+  return static_cast<int>(me - ranks.begin());
+}
+
+GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, int rank_in_group) {
   const int group_size = static_cast<int>(ranks.size());
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
   if (group_size > 1) {
-    // Every member arrives first, so that one missing is named (Gloo's own connection
-    // step would only time out).
-    detail::await_ranks(store_, "hp/" + name, operation, ranks, rank_, {deadline, timeout_});
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("hp/" + name, store_);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout_);
-    gloo_options->devices.push_back(gloo_device(local_address_));
-    cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
-        gloo_options);
+    if (!device_.is_cuda() || gloo_on_gpu_) {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout_);
+      gloo_options->devices.push_back(gloo_device(local_address_));
+      cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
+          gloo_options);
+    }
 #ifdef HP_WITH_NCCL
     if (device_.is_cuda()) {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
@@ -212,8 +229,8 @@ GroupPtr World::make_group(const std::string& name, std::vector<int64_t> ranks,
 #endif
   }
   // Not make_shared: the constructor is World's alone.
-  return groups_[name] = GroupPtr(new Group(name, std::move(ranks), rank_in_group, std::move(cpu),
-                                            std::move(cuda), store_));
+  return groups_[name] = GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
+                                            std::move(cpu), std::move(cuda), store_));
 }
 
 std::shared_ptr<World> default_world() {

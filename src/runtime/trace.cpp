@@ -1,5 +1,8 @@
 #include "hyperparallel/trace.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 namespace hp::trace {
@@ -18,9 +22,20 @@ using Clock = std::chrono::steady_clock;
 struct Recorder {
   std::atomic<bool> on{false};
   std::mutex mutex;
+  c10::Device device{c10::kCPU};
   Clock::time_point origin;
+  // On a GPU: the device events of start() and of each recorded event (same order).
+  std::optional<c10::Event> device_origin;
+  std::vector<c10::Event> device_marks;
   std::vector<Event> events;
 };
+
+// An event recorded now on `device`'s current stream, timed.
+c10::Event device_mark(c10::Device device) {
+  c10::Event mark(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+  mark.record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  return mark;
+}
 
 Recorder& recorder() {
   static Recorder r;
@@ -124,10 +139,14 @@ std::string xml_escape(const std::string& text) {
 
 }  // namespace
 
-void start() {
+void start(c10::Device device) {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.events.clear();
+  r.device_marks.clear();
+  r.device = device;
+  r.device_origin.reset();
+  if (!device.is_cpu()) r.device_origin.emplace(device_mark(device));
   r.origin = Clock::now();
   r.on = true;
 }
@@ -136,6 +155,17 @@ std::vector<Event> stop() {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.on = false;
+  if (r.device_origin) {
+    // Both ends of an interval must have completed; a lane's event may complete before
+    // the origin on the compute stream.
+    r.device_origin->synchronize();
+    for (size_t i = 0; i < r.events.size(); ++i) {
+      r.device_marks[i].synchronize();
+      r.events[i].time_us = r.device_origin->elapsedTime(r.device_marks[i]) * 1000.0;
+    }
+    r.device_marks.clear();
+    r.device_origin.reset();
+  }
   return std::move(r.events);
 }
 
@@ -146,6 +176,8 @@ void record(Kind kind, std::string_view op, std::string_view module) {
   if (!r.on.load(std::memory_order_relaxed)) return;
   const auto now = Clock::now();
   std::lock_guard<std::mutex> lock(r.mutex);
+  // On a GPU the time is filled in by stop(), from the device event.
+  if (r.device_origin) r.device_marks.push_back(device_mark(r.device));
   r.events.push_back({kind, std::string(op), std::string(module),
                       std::chrono::duration<double, std::micro>(now - r.origin).count()});
 }
