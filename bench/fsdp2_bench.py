@@ -18,6 +18,9 @@ meta-device recipe; the values differ from an eager build, the sizes do not).
 
 Rank 0 prints one "RESULT {json}" line per variant, with peak RSS and the RSS at the end
 of the last step's forward (the forward/backward boundary) of every rank.
+
+--device cuda runs on cuda:LOCAL_RANK with NCCL (hp_bench runs on the GPU by itself when
+every rank has one); each phase's time then ends with a device synchronization.
 """
 
 import argparse
@@ -96,7 +99,7 @@ class Attention(nn.Module):
 
         q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
         scores = torch.matmul(q, k.transpose(-2, -1)) / (self.head_dim**0.5)
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, -1, dtype=torch.float).to(v.dtype)
         return self.wo(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, -1))
@@ -150,7 +153,7 @@ class Transformer(nn.Module):
         return list(self.layers)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
             h = layer(h)
@@ -199,22 +202,29 @@ def main():
     ap.add_argument("--variants", default="local,fsdp2")
     ap.add_argument("--label", default="")
     ap.add_argument("--deferred-init", action="store_true", help="meta-device init")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     if args.deferred_init and args.model != "transformer":
         raise SystemExit("--deferred-init needs --model transformer (its init_weights)")
 
     torch.set_num_threads(1)  # ranks share the machine's cores (as hp_bench)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     replicate, shard = (1, world)
     if args.mesh:
         replicate, shard = (int(x) for x in args.mesh.split("x"))
     assert replicate * shard == world, f"--mesh {args.mesh} needs {replicate * shard} ranks"
     if replicate == 1:
-        mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
+        mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
     else:
         mesh = init_device_mesh(
-            "cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
+            device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
         )
 
     # The process before any model exists (torch, Gloo, the mesh): peak RSS minus this is
@@ -232,6 +242,8 @@ def main():
                 )
             else:
                 model = Tiny(args.tiny_blocks, args.tiny_width)
+        if not args.deferred_init:
+            model.to(device)  # before fully_shard, as it is built (no-op on the CPU)
         sizes.setdefault("params", sum(p.numel() for p in model.parameters()))
         sizes.setdefault("block_params", sum(p.numel() for p in model.blocks()[0].parameters()))
         kind, _, flags = variant.partition(":")
@@ -256,7 +268,7 @@ def main():
         elif kind != "local":
             raise SystemExit(f"unknown variant {variant}")
         if args.deferred_init:
-            model.to_empty(device="cpu")  # sharded: only this rank's shards
+            model.to_empty(device=device)  # sharded: only this rank's shards
             model.init_weights()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return {
@@ -274,8 +286,15 @@ def main():
         g = torch.Generator().manual_seed(1000 * step + rank)
         if args.model == "transformer":
             tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+            tokens = tokens.to(device)
             return tokens[:, :-1], tokens[:, 1:]
-        return torch.randn(args.batch, args.tiny_width, generator=g), None
+        return torch.randn(args.batch, args.tiny_width, generator=g).to(device), None
+
+    def now():
+        """The time once the device has run what was queued (on the CPU: now)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def loss_of(model, x, y):
         out = model(x)
@@ -293,30 +312,30 @@ def main():
             dist.barrier()
             try:
                 c0 = time.process_time()  # CPU time of all threads of this process
-                t0 = time.perf_counter()
+                t0 = now()
                 v["opt"].zero_grad(set_to_none=True)
                 loss = loss_of(v["model"], x, y)
-                t1 = time.perf_counter()
+                t1 = now()
                 if step + 1 == args.warmup + args.steps:
                     v["boundary"] = vm_kib("VmRSS") / 1024.0
                 t1b = time.perf_counter()
                 loss.backward()
-                t2 = time.perf_counter()
+                t2 = now()
                 v["opt"].step()
-                t3 = time.perf_counter()
+                t3 = now()
                 c3 = time.process_time()
             except Exception as e:  # noqa: BLE001 -- reported, not hidden
                 v["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
             t = [t1 - t0, t2 - t1b, t3 - t2, t3 - t0 - (t1b - t1), c3 - c0]
-            t = torch.tensor(t, dtype=torch.float64)
+            t = torch.tensor(t, dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if step >= args.warmup:
                 v["times"].append(t.tolist())
 
     # Per rank: peak, baseline, then each variant's RSS at its forward/backward boundary.
     rss = [vm_kib("VmHWM") / 1024.0, base_rss] + [v["boundary"] for v in variants]
-    rss = torch.tensor(rss, dtype=torch.float64)
+    rss = torch.tensor(rss, dtype=torch.float64, device=device)
     all_rss = [torch.zeros_like(rss) for _ in range(world)]
     dist.all_gather(all_rss, rss)
     if rank == 0:

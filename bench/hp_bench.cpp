@@ -27,16 +27,22 @@
 // forward/backward boundary) of every rank, and the RLIMIT_DATA the process ran under.
 // --trace DIR records the last timed step of every hp variant on every rank as
 // DIR/<variant>_rank<R>.json (Chrome trace) and .svg (timeline picture).
+// Every variant computes on the World's device (World::device(): a GPU per rank when
+// every rank has one); on a GPU each phase's time ends with a device synchronization, so
+// it is device time, not launch time.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <sys/resource.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -44,6 +50,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -76,55 +83,47 @@ struct Options {
   bool deferred_init = false;
 };
 
+// --help prints the options and exits; an unknown option or a bad value exits with 2.
 Options parse_args(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--model")
-      o.model = value();
-    else if (arg == "--dim")
-      o.dim = std::stoll(value());
-    else if (arg == "--layers")
-      o.layers = std::stoll(value());
-    else if (arg == "--heads")
-      o.heads = std::stoll(value());
-    else if (arg == "--vocab")
-      o.vocab = std::stoll(value());
-    else if (arg == "--seq")
-      o.seq = std::stoll(value());
-    else if (arg == "--batch")
-      o.batch = std::stoll(value());
-    else if (arg == "--tiny-blocks")
-      o.tiny_blocks = std::stoll(value());
-    else if (arg == "--tiny-width")
-      o.tiny_width = std::stoll(value());
-    else if (arg == "--steps")
-      o.steps = std::stoll(value());
-    else if (arg == "--warmup")
-      o.warmup = std::stoll(value());
-    else if (arg == "--variants")
-      o.variants = value();
-    else if (arg == "--label")
-      o.label = value();
-    else if (arg == "--trace")
-      o.trace_dir = value();
-    else if (arg == "--no-copy-count")
-      o.count_copies = false;
-    else if (arg == "--deferred-init")
-      o.deferred_init = true;
-    else if (arg == "--mesh") {
-      const std::string mesh = value();
-      const auto x = mesh.find('x');
-      if (x == std::string::npos) throw std::invalid_argument("--mesh needs RxS");
-      o.replicate = std::stoll(mesh.substr(0, x));
-      o.shard = std::stoll(mesh.substr(x + 1));
-    } else {
-      throw std::invalid_argument("unknown option " + arg);
-    }
+  CLI::App app("Times fully_shard's modes against plain data parallelism (bench/run.sh).");
+  app.add_option("--model", o.model, "the decoder, or many tiny blocks")
+      ->check(CLI::IsMember({"transformer", "tiny"}));
+  app.add_option("--dim", o.dim)->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers)->check(CLI::NonNegativeNumber);
+  app.add_option("--heads", o.heads)->check(CLI::PositiveNumber);
+  app.add_option("--vocab", o.vocab)->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq)->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "sequences per rank")->check(CLI::PositiveNumber);
+  app.add_option("--tiny-blocks", o.tiny_blocks)->check(CLI::PositiveNumber);
+  app.add_option("--tiny-width", o.tiny_width)->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--variants", o.variants, "comma-separated (see the top of hp_bench.cpp)");
+  app.add_option("--label", o.label, "copied into every RESULT line");
+  app.add_option("--trace", o.trace_dir, "DIR: a trace of the last timed step of hp variants");
+  app.add_flag("!--no-copy-count", o.count_copies, "skip the untimed step that counts copies");
+  app.add_flag("--deferred-init", o.deferred_init, "hp::deferred_init, fully_shard, materialize");
+  std::string mesh;
+  app.add_option("--mesh", mesh, "RxS: replicate x shard ranks (default 1xWORLD)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            const auto x = text.find('x');
+            const bool ok = x != std::string::npos && x > 0 && x + 1 < text.size() &&
+                            text.find_first_not_of("0123456789x") == std::string::npos &&
+                            text.find('x', x + 1) == std::string::npos;
+            return ok ? "" : "needs RxS, e.g. 2x2";
+          },
+          "RxS", "mesh"));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    std::exit(app.exit(error) == 0 ? 0 : 2);  // --help: 0
+  }
+  if (!mesh.empty()) {
+    const auto x = mesh.find('x');
+    o.replicate = std::stoll(mesh.substr(0, x));
+    o.shard = std::stoll(mesh.substr(x + 1));
   }
   return o;
 }
@@ -212,11 +211,8 @@ struct Variant {
   double last_loss = 0;            // the last timed step's loss on this rank
 };
 
-std::string json_number(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.3f", v);
-  return buf;
-}
+// Milliseconds and MiB to 3 decimals in the RESULT lines.
+double rounded(double v) { return std::round(v * 1000.0) / 1000.0; }
 
 // The collectives fully_shard issues for `model` (blocks = children of "layers", the rest
 // belongs to the root), per-parameter mode, issued module by module and waited at once:
@@ -239,6 +235,11 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
   for (const auto& block : layers->children()) modules.push_back(block->parameters());
   const hp::GroupPtr shard = mesh.group(mesh.dim_names().back());
   const hp::GroupPtr replicate = mesh.ndim() == 2 ? mesh.group(mesh.dim_names().front()) : nullptr;
+  // Its times are host waits for Gloo's host-side collectives.
+  if (!shard->device().is_cpu()) {
+    throw std::invalid_argument("the comm variants time Gloo on the CPU; this World runs on " +
+                                shard->device().str());
+  }
   const int64_t w = shard->size();
   auto shard_numel = [w](const at::Tensor& p) {
     const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
@@ -337,6 +338,12 @@ int run(const Options& o) {
                      : hp::DeviceMesh(world, {{"dp_replicate", replicate}, {"dp_shard", shard}});
 
   int64_t total_params = -1, block_params = -1;  // set by the first variant built
+  const c10::Device device = world->device();
+  // Phases end when the device has run them (a no-op on the CPU).
+  const auto synchronized_now = [cuda = device.is_cuda()] {
+    if (cuda) torch::cuda::synchronize();
+    return Clock::now();
+  };
 
   // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
   // is what the variant's model, optimizer and steps cost.
@@ -389,6 +396,8 @@ int run(const Options& o) {
         root = hp::fully_shard(*model, options);
       }
       if (o.deferred_init) hp::materialize(**model);
+      // fully_shard moved the sharded ones to the World's device; the plain ones go there.
+      if (!shard_it) (*model)->to(device);
       variant->module = model->ptr();
       variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
     };
@@ -429,10 +438,11 @@ int run(const Options& o) {
   auto batch = [&](int64_t step) -> std::pair<at::Tensor, at::Tensor> {
     at::Generator gen = at::detail::createCPUGenerator(1000 * step + rank);
     if (o.model == "transformer") {
-      at::Tensor tokens = torch::randint(o.vocab, {o.batch, o.seq + 1}, gen, torch::kLong);
+      at::Tensor tokens =
+          torch::randint(o.vocab, {o.batch, o.seq + 1}, gen, torch::kLong).to(device);
       return {tokens.narrow(1, 0, o.seq), tokens.narrow(1, 1, o.seq)};
     }
-    return {torch::randn({o.batch, o.tiny_width}, gen), at::Tensor()};
+    return {torch::randn({o.batch, o.tiny_width}, gen).to(device), at::Tensor()};
   };
 
   auto train_step = [&](Variant& v, const at::Tensor& x, const at::Tensor& y, bool last) {
@@ -440,13 +450,13 @@ int run(const Options& o) {
       const std::array<double, 2> t = v.comm_step();
       return std::array<double, 4>{t[0], t[1], 0.0, t[0] + t[1]};
     }
-    const auto t0 = Clock::now();
+    const auto t0 = synchronized_now();
     v.optimizer->zero_grad();
     at::Tensor out = v.forward(x);
     at::Tensor loss = y.defined() ? torch::nn::functional::cross_entropy(out.reshape({-1, o.vocab}),
                                                                          y.reshape(-1))
                                   : out.pow(2).mean();
-    const auto t1 = Clock::now();
+    const auto t1 = synchronized_now();
     if (last) {
       v.boundary_rss_mib = status_mib("VmRSS");
       v.last_loss = loss.item<double>();
@@ -454,9 +464,9 @@ int run(const Options& o) {
     const auto t1b = Clock::now();
     loss.backward();
     if (v.after_backward) v.after_backward();
-    const auto t2 = Clock::now();
+    const auto t2 = synchronized_now();
     v.optimizer->step();
-    const auto t3 = Clock::now();
+    const auto t3 = synchronized_now();
     auto ms = [](auto a, auto b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
@@ -472,7 +482,7 @@ int run(const Options& o) {
       hp::barrier(all).wait();
       const bool traced =
           !o.trace_dir.empty() && step + 1 == o.warmup + o.steps && v.name.starts_with("hp");
-      if (traced) hp::trace::start();
+      if (traced) hp::trace::start(world->device());
       const double cpu_before = process_cpu_ms();
       const std::array<double, 4> t = train_step(v, x, y, step + 1 == o.warmup + o.steps);
       const double cpu = process_cpu_ms() - cpu_before;
@@ -514,57 +524,60 @@ int run(const Options& o) {
   hp::all_gather(all_rss, rss, all).wait();
   rlimit data_limit{};
   getrlimit(RLIMIT_DATA, &data_limit);
-  const std::string limit_mib =
+  const nlohmann::json limit_mib =
       data_limit.rlim_cur == RLIM_INFINITY
-          ? "null"
-          : json_number(static_cast<double>(data_limit.rlim_cur) / (1024.0 * 1024.0));
+          ? nlohmann::json(nullptr)
+          : nlohmann::json(rounded(static_cast<double>(data_limit.rlim_cur) / (1024.0 * 1024.0)));
   if (rank == 0) {
     for (int64_t index = 0; index < static_cast<int64_t>(variants.size()); ++index) {
       const auto& v = variants[index];
-      std::string out =
-          "RESULT {\"impl\": \"" + std::string(v->name.starts_with("hp") ? "hp" : "cpp") +
-          "\", \"variant\": \"" + v->name + "\", \"label\": \"" + o.label +
-          "\", \"world\": " + std::to_string(ranks) + ", \"mesh\": \"" + std::to_string(replicate) +
-          "x" + std::to_string(shard) + "\", \"steps\": " + std::to_string(v->times.size()) +
-          ", \"warmup\": " + std::to_string(o.warmup) +
-          ", \"error\": null, \"copied_bytes\": " + std::to_string(v->copied_bytes) +
-          ", \"copied_bytes_comm\": " + std::to_string(v->copied_bytes_comm);
       int64_t local_numel = 0;
       for (const auto& p : v->module->parameters()) local_numel += p.numel();
-      out += ", \"local_params\": " + std::to_string(local_numel);
+      nlohmann::json result = {
+          {"impl", v->name.starts_with("hp") ? "hp" : "cpp"},
+          {"variant", v->name},
+          {"label", o.label},
+          {"world", ranks},
+          {"mesh", std::to_string(replicate) + "x" + std::to_string(shard)},
+          {"steps", v->times.size()},
+          {"warmup", o.warmup},
+          {"error", nullptr},
+          {"copied_bytes", v->copied_bytes},
+          {"copied_bytes_comm", v->copied_bytes_comm},
+          {"local_params", local_numel},
+      };
       if (o.model == "transformer") {
-        out +=
-            ", \"model\": {\"dim\": " + std::to_string(o.dim) +
-            ", \"layers\": " + std::to_string(o.layers) +
-            ", \"heads\": " + std::to_string(o.heads) + ", \"vocab\": " + std::to_string(o.vocab) +
-            ", \"ffn\": " + std::to_string(config.ffn_hidden) +
-            ", \"seq\": " + std::to_string(o.seq) + ", \"batch\": " + std::to_string(o.batch) + "}";
+        result["model"] = {{"dim", o.dim},     {"layers", o.layers},       {"heads", o.heads},
+                           {"vocab", o.vocab}, {"ffn", config.ffn_hidden}, {"seq", o.seq},
+                           {"batch", o.batch}};
       }
-      out += ", \"params\": " + std::to_string(total_params) +
-             ", \"block_params\": " + std::to_string(block_params) +
-             ", \"deferred_init\": " + (o.deferred_init ? "true" : "false") +
-             ", \"rlimit_data_mib\": " + limit_mib + ", \"loss\": " + json_number(v->last_loss);
-      for (int64_t column : {int64_t{0}, int64_t{1}, 2 + index}) {
-        out += column == 0   ? ", \"peak_rss_mib\": ["
-               : column == 1 ? ", \"base_rss_mib\": ["
-                             : ", \"boundary_rss_mib\": [";
+      result["params"] = total_params;
+      result["block_params"] = block_params;
+      result["deferred_init"] = o.deferred_init;
+      result["rlimit_data_mib"] = limit_mib;
+      result["loss"] = rounded(v->last_loss);
+      const auto per_rank = [&](int64_t column) {
+        nlohmann::json values = nlohmann::json::array();
         for (int64_t r = 0; r < ranks; ++r) {
-          out += (r ? ", " : "") + json_number(all_rss[r][column].item<double>());
+          values.push_back(rounded(all_rss[r][column].item<double>()));
         }
-        out += "]";
-      }
+        return values;
+      };
+      result["peak_rss_mib"] = per_rank(0);
+      result["base_rss_mib"] = per_rank(1);
+      result["boundary_rss_mib"] = per_rank(2 + index);
       const char* keys[] = {"fwd", "bwd", "opt", "step", "cpu"};
       for (int c = 0; c < 5; ++c) {
         std::vector<double> col;
         for (const auto& t : v->times) col.push_back(t[c]);
-        out += ", \"" + std::string(keys[c]) + "_ms\": " + json_number(quantile(col, 0.5));
+        result[std::string(keys[c]) + "_ms"] = rounded(quantile(col, 0.5));
         // The spread of the step time shows how noisy the machine was.
         if (c == 3) {
-          out += ", \"step_p25_ms\": " + json_number(quantile(col, 0.25)) +
-                 ", \"step_p75_ms\": " + json_number(quantile(col, 0.75));
+          result["step_p25_ms"] = rounded(quantile(col, 0.25));
+          result["step_p75_ms"] = rounded(quantile(col, 0.75));
         }
       }
-      std::printf("%s}\n", out.c_str());
+      std::printf("RESULT %s\n", result.dump().c_str());
     }
     std::fflush(stdout);
   }

@@ -57,4 +57,32 @@ for mp in none bf16; do
   [ -s "$build/stress_async_$mp.txt" ] || { echo "gpu_check: no step lines" >&2; exit 1; }
 done
 
+# The same model, batches and timing loop in both programs (bench/), one after the other:
+# step time of fully_shard and of FSDP2 at world size 1, each against its own program's
+# unwrapped model.
+step "step time at world size 1: unwrapped vs fully_shard (hp_bench) and vs FSDP2 (fsdp2_bench.py)"
+shape=(--dim 1024 --layers 8 --heads 8 --seq 512 --batch 8 --steps 20 --warmup 3)
+{
+  $run "$build/hp-run" -n 1 --timeout 300 -- "$build/bench/hp_bench" --no-copy-count \
+    --variants local,hp,hp:fusion,hp:keep "${shape[@]}"
+  $run "$build/hp-run" -n 1 --timeout 300 -- python3 bench/fsdp2_bench.py --device cuda \
+    --variants local,fsdp2 "${shape[@]}"
+} | grep '^RESULT ' | sed 's/^RESULT //' >"$build/step_time.jsonl"
+$run python3 - "$build/step_time.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+local = {r["impl"]: r["step_ms"] for r in rows if r["variant"] == "local"}
+for r in rows:
+    base = local["cpp" if r["impl"] in ("hp", "cpp") else "py"]
+    print(f'{r["impl"]:6} {r["variant"]:10} fwd {r["fwd_ms"]:8.2f}  bwd {r["bwd_ms"]:8.2f}  '
+          f'opt {r["opt_ms"]:7.2f}  step {r["step_ms"]:8.2f} ms  vs unwrapped {r["step_ms"] / base:.2f}')
+PY
+[ "$(wc -l <"$build/step_time.jsonl")" -eq 6 ] || { echo "gpu_check: a benchmark variant is missing" >&2; exit 1; }
+
+step "trace of one step on the GPU (CUDA-event times)"
+$run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
+  --mesh 1x1 --data README.md --data docs --steps 5 --trace "$build/gpu_trace" \
+  --out "$build/gpu_trace_run" >/dev/null
+ls -l "$build/gpu_trace"
+
 step "done"
