@@ -319,8 +319,8 @@ TEST(Launcher, InterruptIsForwardedToRanksAndReRaised) {
   TempDir dir;
   auto options = sh_ranks(2, record_pids() + "wait\n");
   options.extra_env = {{"HP_TEST_DIR", dir.path()}};
-  struct sigaction ours {};
-  struct sigaction previous {};
+  struct sigaction ours{};
+  struct sigaction previous{};
   ours.sa_handler = test_handler;
   sigemptyset(&ours.sa_mask);
   ASSERT_EQ(sigaction(SIGTERM, &ours, &previous), 0);
@@ -365,6 +365,21 @@ TEST(Launcher, ReportsProgramsThatCannotBeExecuted) {
   options.command = {"hp-no-such-program-on-path"};
   what = what_of(options);
   EXPECT_NE(what.find("cannot execute 'hp-no-such-program-on-path'"), std::string::npos) << what;
+}
+
+// The port the launcher chose stays bound by it for the whole launch (nothing else can
+// take it before rank 0 hosts the store), and rank 0 alone inherits that socket.
+TEST(Launcher, ChosenPortStaysBoundAndRankZeroInheritsItsSocket) {
+  auto options = sh_ranks(2,
+                          "if [ \"$RANK\" = 0 ]; then readlink /proc/$$/fd/$HP_STORE_LISTEN_FD; "
+                          "else echo \"${HP_STORE_LISTEN_FD:-unset}\"; python3 -c 'import os, "
+                          "socket; socket.socket().bind((\"127.0.0.1\", "
+                          "int(os.environ[\"MASTER_PORT\"])))' 2>&1 | tail -n 1; fi");
+  options.extra_env = {{"HP_STORE_LISTEN_FD", "99"}};  // e.g. from an outer launcher
+  const hp::LaunchResult result = hp::launch_local(options);
+  ASSERT_EQ(result.exit_code, 0) << result.ranks[0].output << result.ranks[1].output;
+  EXPECT_TRUE(result.ranks[0].output.starts_with("socket:[")) << result.ranks[0].output;
+  EXPECT_EQ(result.ranks[1].output, "unset\nOSError: [Errno 98] Address already in use\n");
 }
 
 TEST(Launcher, FindFreePortReturnsABindablePort) {

@@ -22,11 +22,14 @@ struct LaunchEnv {
   bool agent_store = false;
   // TORCHELASTIC_RESTART_COUNT: which attempt this is (0 for the first, or when unset).
   int64_t restart_count = 0;
+  // HP_STORE_LISTEN_FD (hp-run sets it for rank 0 when it chose MASTER_PORT): an inherited
+  // socket bound to MASTER_PORT, on which rank 0 hosts the store.
+  std::optional<int> store_listen_fd;
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK (optional, defaults to RANK), MASTER_ADDR,
-  // MASTER_PORT and the optional HP_TIMEOUT_S, TORCHELASTIC_USE_AGENT_STORE and
-  // TORCHELASTIC_RESTART_COUNT. Throws std::invalid_argument naming the variable and the
-  // fix when one is missing or invalid.
+  // MASTER_PORT and the optional HP_TIMEOUT_S, TORCHELASTIC_USE_AGENT_STORE,
+  // TORCHELASTIC_RESTART_COUNT and HP_STORE_LISTEN_FD. Throws std::invalid_argument naming the
+  // variable and the fix when one is missing or invalid.
   static LaunchEnv from_environment();
 };
 

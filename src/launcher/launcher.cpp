@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -168,6 +169,45 @@ int exit_code_of(const siginfo_t& info) {
   return info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
 }
 
+// The variable that hands rank 0 the store's socket (LaunchEnv::store_listen_fd).
+constexpr const char* kStoreListenFd = "HP_STORE_LISTEN_FD";
+
+// A socket bound to a free TCP port of `addr` (close-on-exec, not listening), and the port.
+std::pair<UniqueFd, int> bind_free_port(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found); rc != 0) {
+    throw std::runtime_error("hp::find_free_port: cannot resolve '" + addr +
+                             "': " + gai_strerror(rc));
+  }
+  int err = 0;
+  UniqueFd bound_fd;
+  int port = -1;
+  for (const addrinfo* ai = found; ai != nullptr && port < 0; ai = ai->ai_next) {
+    UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    if (fd.get() >= 0 && bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      port = bound.ss_family == AF_INET6
+                 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                 : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+      bound_fd = std::move(fd);
+    } else {
+      err = errno;
+    }
+  }
+  freeaddrinfo(found);
+  if (port < 0) {
+    throw std::runtime_error("hp::find_free_port: cannot bind to '" + addr +
+                             "': " + std::strerror(err));
+  }
+  return {std::move(bound_fd), port};
+}
+
 struct Rank {
   pid_t pid = -1;       // also its process group id; -1 once reaped
   UniqueFd out;         // read end of its stdout+stderr pipe; closed at EOF
@@ -244,8 +284,13 @@ class Launch {
   void start_ranks() {
     auto env = inherited_environment();
     for (const auto& [key, value] : options_.extra_env) env.insert_or_assign(key, value);
-    const int port =
-        options_.master_port != 0 ? options_.master_port : find_free_port(options_.master_addr);
+    int port = options_.master_port;
+    if (port == 0) {
+      // Bound here and handed to rank 0, which hosts the store on it: no other program can
+      // take the port between its choice and the store's start (a bind of port 0 elsewhere
+      // on the machine could, with a port only found free).
+      std::tie(store_socket_, port) = bind_free_port(options_.master_addr);
+    }
     const std::string world = std::to_string(options_.nprocs);
     env.insert_or_assign("WORLD_SIZE", world);
     env.insert_or_assign("LOCAL_WORLD_SIZE", world);
@@ -267,14 +312,22 @@ class Launch {
       env.insert_or_assign("RANK", rank);
       env.insert_or_assign("LOCAL_RANK", rank);
       env.insert_or_assign("ROLE_RANK", rank);
+      const int inherited = r == 0 ? store_socket_.get() : -1;
+      if (inherited >= 0) {
+        env.insert_or_assign(kStoreListenFd, std::to_string(inherited));
+      } else {
+        env.erase(kStoreListenFd);  // also one this launcher inherited itself
+      }
       std::vector<std::string> entries;
       for (const auto& [key, value] : env) entries.push_back(key + "=" + value);
       std::vector<char*> envp = c_array(entries);
-      start_rank(r, argv.data(), envp.data(), path_ptrs.data(), null_fd.get());
+      start_rank(r, argv.data(), envp.data(), path_ptrs.data(), null_fd.get(), inherited);
     }
   }
 
-  void start_rank(int r, char* const argv[], char* const envp[], char* const paths[], int null_fd) {
+  // `inherited`: a descriptor the rank keeps across exec (-1: none).
+  void start_rank(int r, char* const argv[], char* const envp[], char* const paths[], int null_fd,
+                  int inherited) {
     auto [out_read, out_write] = make_pipe();
     // Carries the child's exec errno; closes without data when exec succeeds.
     auto [status_read, status_write] = make_pipe();
@@ -298,6 +351,7 @@ class Launch {
       dup2(null_fd, STDIN_FILENO);
       dup2(out_write.get(), STDOUT_FILENO);
       dup2(out_write.get(), STDERR_FILENO);
+      if (inherited >= 0) fcntl(inherited, F_SETFD, 0);  // not close-on-exec in this rank
       int err = ENOENT;
       for (char* const* path = paths; *path != nullptr; ++path) {
         execve(*path, argv, envp);
@@ -445,6 +499,7 @@ class Launch {
   }
 
   const LaunchOptions& options_;
+  UniqueFd store_socket_;  // bound to MASTER_PORT when this launch chose it; rank 0's
   LaunchResult result_;
   std::vector<Rank> ranks_;
   std::optional<Clock::time_point> teardown_at_;
@@ -474,37 +529,6 @@ LaunchResult launch_local(const LaunchOptions& options) {
   return result;
 }
 
-int find_free_port(const std::string& addr) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  if (const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found); rc != 0) {
-    throw std::runtime_error("hp::find_free_port: cannot resolve '" + addr +
-                             "': " + gai_strerror(rc));
-  }
-  int err = 0;
-  int port = -1;
-  for (const addrinfo* ai = found; ai != nullptr && port < 0; ai = ai->ai_next) {
-    const UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
-    sockaddr_storage bound{};
-    socklen_t len = sizeof bound;
-    if (fd.get() >= 0 && bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 &&
-        getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      port = bound.ss_family == AF_INET6
-                 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-                 : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
-    } else {
-      err = errno;
-    }
-  }
-  freeaddrinfo(found);
-  if (port < 0) {
-    throw std::runtime_error("hp::find_free_port: cannot bind to '" + addr +
-                             "': " + std::strerror(err));
-  }
-  return port;
-}
+int find_free_port(const std::string& addr) { return bind_free_port(addr).second; }
 
 }  // namespace hp

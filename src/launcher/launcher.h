@@ -22,7 +22,9 @@ struct LaunchOptions {
   std::map<std::string, std::string> extra_env;
   std::chrono::milliseconds timeout{0};  // 0: no limit
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: pick a free port on master_addr
+  // 0: a free port of master_addr, bound by the launcher and handed to rank 0, which hosts
+  // the store on that socket (HP_STORE_LISTEN_FD), so that nothing can take it meanwhile.
+  int master_port = 0;
   // true: copy each rank's output lines to our stdout as "[rank K] line" as they come;
   // false: keep each rank's output (stdout and stderr merged) in RankResult::output.
   bool prefix_output = true;

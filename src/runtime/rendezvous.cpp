@@ -256,8 +256,23 @@ std::string unreachable_store(const LaunchEnv& env, const std::string& address,
 StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline) {
   const std::string address = resolve_master(env, deadline);
   const bool host = env.rank == 0 && !env.agent_store;
-  if (host) check_port_free(env);
+  // A socket the launcher bound to the port is ours; any other port may be someone's.
+  const bool own_socket = host && env.store_listen_fd.has_value();
+  if (host && !own_socket) check_port_free(env);
   c10d::TCPStoreOptions options;
+  if (own_socket) {
+    // The store closes the descriptor it is given: it gets a duplicate, so that a later
+    // World of this process hosts its store on the same socket.
+    const int inherited = *env.store_listen_fd;
+    const int duplicate = fcntl(inherited, F_DUPFD_CLOEXEC, 0);
+    if (duplicate < 0) {
+      throw std::invalid_argument("HP_STORE_LISTEN_FD=" + std::to_string(inherited) +
+                                  " is not an open descriptor of this process (hp-run sets it "
+                                  "for rank 0 only; unset it when starting ranks otherwise)");
+    }
+    fcntl(inherited, F_SETFD, FD_CLOEXEC);  // not passed on to this rank's own children
+    options.masterListenFd = duplicate;
+  }
   options.port = static_cast<uint16_t>(env.master_port);
   options.isServer = host;
   options.numWorkers = static_cast<size_t>(env.world_size);
