@@ -117,7 +117,7 @@ std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
 at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   c10::NoGradGuard no_grad;
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) {
-    return whole_of(p->variable(), detail::gather_whole(*p, p->padded_shard(),
+    return whole_of(p->variable(), detail::gather_whole(*p, {p->padded_shard(), /*owned=*/false},
                                                         *state_->param_group().mesh_info().shard));
   }
   for (const auto& r : state_->param_group().replicated()) {
@@ -136,8 +136,9 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
     at::Tensor has_grad = at::full({1}, grad.defined() ? 1.0f : 0.0f);
     all_reduce(has_grad, ReduceOp::kMin, *state_->param_group().mesh_info().shard).wait();
     if (has_grad.item<float>() == 0.0f) return {};
-    return whole_of(p->variable(), detail::gather_whole(*p, p->pad_local(grad, grad.scalar_type()),
-                                                        *state_->param_group().mesh_info().shard));
+    return whole_of(p->variable(), detail::gather_whole(
+                                       *p, {p->pad_local(grad, grad.scalar_type()), /*owned=*/true},
+                                       *state_->param_group().mesh_info().shard));
   }
   for (const auto& r : state_->param_group().replicated()) {
     if (r.name == name) {

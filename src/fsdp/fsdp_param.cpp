@@ -143,17 +143,20 @@ void FSDPParam::load_local(const at::Tensor& local) {
   sharded_view_.copy_(local);
 }
 
-at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group) {
-  at::Tensor gathered = at::empty({padded.numel() * p.layout().world}, padded.options());
-  all_gather(gathered, padded, shard_group).wait();
+at::Tensor gather_whole(const FSDPParam& p, const CommBuffer& padded, const Group& shard_group) {
+  const at::Tensor& part = padded.tensor;
+  at::Tensor gathered = at::empty({part.numel() * p.layout().world}, part.options());
+  all_gather(gathered, part, shard_group).wait();
+  if (padded.owned) free_storage(part);
   const ShardLayout& l = p.layout();
   if (l.dim == 0) {  // rank-major is the padded whole tensor: no copy
     std::vector<int64_t> padded_whole = l.padded_local_shape;
     padded_whole[0] = l.chunk * l.world;
     return gathered.view(padded_whole).narrow(0, 0, l.global_shape[0]);
   }
-  at::Tensor whole = at::empty(l.global_shape, padded.options());
+  at::Tensor whole = at::empty(l.global_shape, part.options());
   l.copy_from_rank_major(gathered, whole);
+  free_storage(gathered);
   return whole;
 }
 

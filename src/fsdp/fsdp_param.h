@@ -204,7 +204,9 @@ class FSDPParam {
 };
 
 // The whole tensor from every rank's `padded` [padded_numel] part of `p` over its shard
-// group (a collective).
-at::Tensor gather_whole(const FSDPParam& p, const at::Tensor& padded, const Group& shard_group);
+// group (a collective). What it allocated for the gather, and `padded` when owned, is
+// freed as soon as it is done: the backend's worker thread may still hold references to
+// a completed collective's tensors for a while, so a dropped reference alone would not.
+at::Tensor gather_whole(const FSDPParam& p, const CommBuffer& padded, const Group& shard_group);
 
 }  // namespace hp::detail

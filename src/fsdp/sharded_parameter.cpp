@@ -44,12 +44,13 @@ const std::shared_ptr<World>& ShardedParameter::world() const {
 bool ShardedParameter::is_unsharded() const { return param_->is_unsharded(); }
 
 at::Tensor ShardedParameter::full() const {
-  return detail::gather_whole(*param_, param_->padded_shard(), shard_group());
+  return detail::gather_whole(*param_, {param_->padded_shard(), /*owned=*/false}, shard_group());
 }
 
 at::Tensor ShardedParameter::full(const at::Tensor& local_like) const {
-  return detail::gather_whole(*param_, param_->pad_local(local_like, local_like.scalar_type()),
-                              shard_group());
+  return detail::gather_whole(
+      *param_, {param_->pad_local(local_like, local_like.scalar_type()), /*owned=*/true},
+      shard_group());
 }
 
 namespace {
