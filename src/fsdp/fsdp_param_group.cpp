@@ -10,6 +10,17 @@
 #include "hyperparallel/trace.h"
 
 namespace hp::detail {
+namespace {
+
+// `handle`, whose completion then divides `result` (the reduced gradients) by `factor`:
+// on a GPU the completion runs on the collective's lane, so the division does too.
+CommHandle divided_when_done(CommHandle handle, at::Tensor result, double factor) {
+  return CommHandle::after({std::move(handle)}, [result, factor]() mutable {
+    if (factor != 1.0) result.div_(factor);
+  });
+}
+
+}  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
                                std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
@@ -179,13 +190,10 @@ void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     grad = grad.contiguous();
     pending_->replicated.emplace_back(&rp, grad);
     c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
-    const double factor = settings.divide_factor;
     pending_->replicated_all_reduces.push_back(streams_->complete_on_lane(
         Lane::kAllReduce,
-        CommHandle::after({all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel)},
-                          [grad, factor]() mutable {
-                            if (factor != 1.0) grad.div_(factor);
-                          })));
+        divided_when_done(all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel), grad,
+                          settings.divide_factor)));
   }
 }
 
@@ -230,12 +238,9 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
                                    comm_fusion_, /*keep_grads=*/streams_->active(), stats_);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones. On a GPU the division runs on the lane too.
-  const double factor = settings.divide_factor;
   r.scatter.handle = streams_->complete_on_lane(
       Lane::kReduceScatter,
-      CommHandle::after({r.scatter.handle}, [buffer = r.scatter.buffer, factor]() mutable {
-        if (factor != 1.0) buffer.div_(factor);
-      }));
+      divided_when_done(r.scatter.handle, r.scatter.buffer, settings.divide_factor));
 }
 
 void FSDPParamGroup::wait_reduce_scatter() {
