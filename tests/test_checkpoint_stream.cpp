@@ -293,6 +293,30 @@ HP_DIST_TEST(CheckpointStream, FlippedTensorBytesFailTheCrcCheck, 1) {
   std::filesystem::remove_all(dir);
 }
 
+// A damaged byte-order record (or a damaged central directory pointing the reader at other
+// bytes) is a damaged file, not "another byte order": the record fails its CRC-32 first.
+HP_DIST_TEST(CheckpointStream, ADamagedByteOrderRecordIsNamedAsDamage, 1) {
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  const std::string dir = shared_dir("hp_stream_byteorder");
+  const std::string path = dir + "/model.pt";
+  save_full_checkpoint(*model, path);
+  std::string bytes;
+  {
+    std::ifstream file(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+  const size_t at = bytes.find("little");
+  ASSERT_NE(at, std::string::npos) << "the byte-order record is stored uncompressed";
+  bytes[at + 2] = 'x';
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  const std::string error = error_of([&] { load_full_checkpoint(*model, path); });
+  EXPECT_TRUE(contains(error, path + ": its record 'byteorder' fails the CRC-32 check (the file "
+                                     "is damaged)"))
+      << error;
+  EXPECT_FALSE(contains(error, "byte order than")) << error;
+  std::filesystem::remove_all(dir);
+}
+
 // Saving where the file cannot be created throws on the writing rank after the gathers
 // (the other rank is not left waiting); a write that fails mid-file throws naming the
 // file and the tensor, and leaves no file behind.

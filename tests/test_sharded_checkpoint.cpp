@@ -16,6 +16,7 @@
 #include <iterator>
 #include <optional>
 #include <random>
+#include <regex>
 #include <string>
 
 #include "checkpoint_test_util.h"
@@ -23,6 +24,7 @@
 #include "error_of.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/sharded_checkpoint.h"
+#include "program_run.h"
 #include "shared_dir.h"
 #include "stepped_checkpoint.h"
 
@@ -31,6 +33,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using models::Transformer;
+using testing::ProgramRun;
+using testing::run_program;
 
 // Every 2-D weight sharded on its other dim: pieces saved on dim 0 are cut across.
 FullyShardOptions weights_on_dim_1() {
@@ -202,6 +206,80 @@ HP_DIST_TEST(ShardedCheckpoint, DamagedIncompleteAndUnwritableAreRefused, 2) {
   remove_after_all_ranks(dir);
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream stream(path);
+  return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
+}
+
+// An index that lies (one piece's offset moved back by 8 rows, as one flipped bit makes
+// 128 of 120) is refused, not loaded with rows read twice and others never: its CRC-32 in
+// COMPLETE no longer matches, and without that CRC the pieces no longer cover the tensor
+// exactly once. latest_checkpoint passes over it to the newest intact checkpoint and says
+// why.
+HP_DIST_TEST(ShardedCheckpoint, ADamagedIndexIsRefusedAndPassedOver, 2) {
+  auto world = testing::world();
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  train_one_step(model, opt);
+  const std::string dir = shared_dir("hp_sharded_index");
+  const std::string first = checkpoint_dir_for_step(dir, 1);
+  const std::string second = checkpoint_dir_for_step(dir, 2);
+  save_sharded_checkpoint(first, *model, &opt);
+  save_sharded_checkpoint(second, *model, &opt);
+  EXPECT_TRUE(read_file(second + "/COMPLETE").starts_with("index.json crc32 "));
+
+  if (world->rank() == 0) {
+    const std::string index = read_file(second + "/index.json");
+    std::smatch offset;  // the first piece that starts past row 0
+    ASSERT_TRUE(std::regex_search(index, offset, std::regex("\"offsets\": \\[\\s*([1-9][0-9]*)")));
+    const std::string moved = std::to_string(std::stoll(offset[1]) - 8);
+    std::ofstream(second + "/index.json", std::ios::trunc)
+        << offset.prefix() << offset.str().substr(0, offset.position(1) - offset.position(0))
+        << moved << offset.suffix();
+  }
+  barrier(*world->world_group()).wait();
+  const std::string damaged = error_of([&] { load_sharded_checkpoint(second, *model, &opt); });
+  EXPECT_TRUE(contains(damaged, second + "/index.json is damaged: CRC-32 ")) << damaged;
+  std::vector<std::string> skipped;
+  EXPECT_EQ(latest_checkpoint(dir, &skipped), first);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], second + "/index.json is damaged")) << skipped[0];
+  // Python's reader (tools/sharded_checkpoint.py) refuses it too, and reads the intact one.
+  const bool python = world->rank() == 0;
+  const auto python_reader = [&](const std::string& checkpoint) {
+    return run_program("python3 " + std::string(HP_SOURCE_DIR) + "/tools/sharded_checkpoint.py " +
+                       checkpoint);
+  };
+  if (python) {
+    const ProgramRun refused = python_reader(second);
+    EXPECT_EQ(refused.exit_code, 1) << refused.output;
+    EXPECT_TRUE(contains(refused.output, second + "/index.json is damaged (CRC-32)"))
+        << refused.output;
+    const ProgramRun intact = python_reader(first);
+    EXPECT_EQ(intact.exit_code, 0) << intact.output;
+    EXPECT_TRUE(contains(intact.output, "model/")) << intact.output;
+  }
+
+  // A marker without the CRC (as older saves wrote it): the coverage check still refuses.
+  barrier(*world->world_group()).wait();
+  if (world->rank() == 0) std::ofstream(second + "/COMPLETE", std::ios::trunc);
+  barrier(*world->world_group()).wait();
+  const std::string overlapping = error_of([&] { load_sharded_checkpoint(second, *model, &opt); });
+  EXPECT_TRUE(contains(overlapping, second + "/index.json is damaged: tensor '")) << overlapping;
+  EXPECT_TRUE(contains(overlapping, "overlap") || contains(overlapping, "outside")) << overlapping;
+  if (python) {
+    const ProgramRun refused = python_reader(second);
+    EXPECT_EQ(refused.exit_code, 1) << refused.output;
+    EXPECT_TRUE(contains(refused.output, "do not cover it once") ||
+                contains(refused.output, "lies outside"))
+        << refused.output;
+    EXPECT_FALSE(contains(refused.output, "Traceback")) << refused.output;
+  }
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  EXPECT_EQ(error_of([&] { load_sharded_checkpoint(first, *model, &opt); }), "no error");
+  remove_after_all_ranks(dir);
+}
+
 // Whether a save left a directory behind (".partial" or ".old", removed by the next save
 // to that name) that was written to after `since`.
 bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
@@ -213,11 +291,6 @@ bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
     }
   }
   return false;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream stream(path);
-  return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
 }
 
 // Two ranks saving one checkpoint after the other (each its shards) have rank 0 killed

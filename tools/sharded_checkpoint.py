@@ -6,7 +6,9 @@
     sharded_checkpoint.py DIR --prefix model/ ...  only the model (names without prefix)
 
 As a module: load(DIR, prefix="") returns {name: whole tensor}. The pieces are read with
-the `safetensors` package, placed by index.json and checked against their CRC-32.
+the `safetensors` package, placed by index.json and checked against their CRC-32; the
+index itself is checked against the CRC-32 in COMPLETE, and its pieces must cover every
+tensor exactly once. A damaged checkpoint raises ValueError naming the file.
 """
 import argparse
 import contextlib
@@ -16,26 +18,64 @@ import sys
 import zlib
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+COMPLETE_RECORD = "index.json crc32 "
+
+
+def read_index(directory):
+    """index.json, checked against COMPLETE's CRC-32 (absent in older checkpoints)."""
+    complete = os.path.join(directory, "COMPLETE")
+    if not os.path.exists(complete):
+        raise ValueError(f"{directory} is not a complete sharded checkpoint (no COMPLETE marker)")
+    with open(complete) as f:
+        record = f.readline().rstrip("\n")
+    index_path = os.path.join(directory, "index.json")
+    with open(index_path, "rb") as f:
+        text = f.read()
+    if record:
+        if not record.startswith(COMPLETE_RECORD):
+            raise ValueError(f"{complete} is damaged (it reads {record!r})")
+        if f"{zlib.crc32(text):08x}" != record[len(COMPLETE_RECORD):]:
+            raise ValueError(f"{index_path} is damaged (CRC-32)")
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{index_path} is malformed: {error}") from None
+
+
+def check_coverage(name, entry, index_path):
+    """The pieces of a tensor lie inside it and cover it exactly once."""
+    covered = torch.zeros(entry["shape"], dtype=torch.int32)
+    for piece in entry["pieces"]:
+        if any(o < 0 or o + n > s for o, n, s in zip(piece["offsets"], piece["shape"], entry["shape"])):
+            raise ValueError(f"{index_path} is damaged: a piece of '{name}' lies outside it")
+        covered[tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["shape"]))] += 1
+    if not bool((covered == 1).all()):
+        raise ValueError(f"{index_path} is damaged: the pieces of '{name}' do not cover it once")
 
 
 def load(directory, prefix=""):
-    if not os.path.exists(os.path.join(directory, "COMPLETE")):
-        raise ValueError(f"{directory} is not a complete sharded checkpoint (no COMPLETE marker)")
-    with open(os.path.join(directory, "index.json")) as f:
-        index = json.load(f)
+    index = read_index(directory)
     tensors = {}
     with contextlib.ExitStack() as stack:
         files = {}
         for name, entry in index["tensors"].items():
             if not name.startswith(prefix):
                 continue
+            check_coverage(name, entry, os.path.join(directory, "index.json"))
             whole = None
             for piece in entry["pieces"]:
                 if piece["file"] not in files:
                     path = os.path.join(directory, piece["file"])
-                    files[piece["file"]] = stack.enter_context(safe_open(path, framework="pt"))
-                data = files[piece["file"]].get_tensor(name)
+                    try:
+                        files[piece["file"]] = stack.enter_context(safe_open(path, framework="pt"))
+                    except SafetensorError as error:
+                        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+                try:
+                    data = files[piece["file"]].get_tensor(name)
+                except SafetensorError as error:
+                    raise ValueError(f"cannot read '{name}' from {piece['file']}: {error}") from None
                 crc = zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().tobytes())
                 if f"{crc:08x}" != piece["crc32"]:
                     raise ValueError(f"tensor '{name}' in {piece['file']} is damaged (CRC-32)")

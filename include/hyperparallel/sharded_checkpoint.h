@@ -7,7 +7,8 @@
 //                           into the whole tensor, shape, CRC-32 of its bytes)
 //   rank-00000.safetensors  the pieces rank 0 wrote, one per tensor (safetensors format)
 //   rank-00001.safetensors  ...
-//   COMPLETE                written last: a directory without it is never loaded
+//   COMPLETE                written last, with the CRC-32 of index.json: a directory
+//                           without it is never loaded, nor an index that does not match
 //
 // Tensors are named "model/<parameter or buffer name>", "optim/<parameter name>.<field>"
 // (the names of get_full_optimizer_state_dict) and "extra/<name>". HSDP replicas write one
@@ -26,6 +27,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "hyperparallel/state_dict.h"
 
@@ -60,8 +62,12 @@ bool is_complete_checkpoint(const std::string& dir);
 
 // The complete checkpoint under `root` with the highest step, for resuming: among the
 // subdirectories named "step-<N>" (as checkpoint_dir_for_step makes them) that are
-// complete. Unset when there is none (or no `root`).
-std::optional<std::string> latest_checkpoint(const std::string& root);
+// complete and whose index is intact (its CRC-32 and its pieces covering every tensor
+// once; the pieces' own CRCs are checked as they load). Newer complete ones with a damaged
+// index are passed over, each with the reason appended to `skipped` when given. Unset
+// when there is none (or no `root`).
+std::optional<std::string> latest_checkpoint(const std::string& root,
+                                             std::vector<std::string>* skipped = nullptr);
 
 // "<root>/step-<step>", the step zero-padded to 8 digits so that names sort by step.
 std::string checkpoint_dir_for_step(const std::string& root, int64_t step);

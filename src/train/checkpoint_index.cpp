@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -121,7 +122,7 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
   return index;
 }
 
-void write_index(const CheckpointIndex& index, const std::string& path) {
+std::string write_index(const CheckpointIndex& index, const std::string& path) {
   json tensors = json::object();
   for (const auto& [name, tensor] : index) {
     json pieces = json::array();
@@ -139,14 +140,20 @@ void write_index(const CheckpointIndex& index, const std::string& path) {
       json{{"format", kFormat}, {"version", kVersion}, {"tensors", std::move(tensors)}}.dump(1) +
       "\n";
   write_file_durably(path, text);
+  return crc32_of(text);
 }
 
-CheckpointIndex read_index(const std::string& path) {
-  std::ifstream in(path);
+CheckpointIndex read_index(const std::string& path, const std::string& crc32) {
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (!crc32.empty() && crc32_of(text) != crc32) {
+    throw std::runtime_error(path + " is damaged: CRC-32 " + crc32_of(text) + ", written with " +
+                             crc32 + "; load another checkpoint");
+  }
   CheckpointIndex index;
   try {
-    const json root = json::parse(in);
+    const json root = json::parse(text);
     if (root.at("format") != kFormat || root.at("version") != kVersion) {
       throw std::invalid_argument(path + " is not a version " + std::to_string(kVersion) +
                                   " index of a hyperparallel sharded checkpoint");
@@ -161,11 +168,23 @@ CheckpointIndex read_index(const std::string& path) {
         entry.pieces.push_back(
             {piece.at("file").get<std::string>(), piece.at("offsets").get<std::vector<int64_t>>(),
              piece.at("shape").get<std::vector<int64_t>>(), piece.at("crc32").get<std::string>()});
+        if (entry.pieces.back().offsets.size() != entry.shape.size() ||
+            entry.pieces.back().shape.size() != entry.shape.size()) {
+          throw std::invalid_argument(path + ": tensor '" + name +
+                                      "' has a piece of another rank than the tensor");
+        }
       }
       index.emplace(name, std::move(entry));
     }
   } catch (const json::exception& error) {
     throw std::invalid_argument(path + " is malformed: " + error.what());
+  }
+  for (const auto& [name, tensor] : index) {
+    try {
+      check_covers(name, tensor);
+    } catch (const std::runtime_error& error) {
+      throw std::runtime_error(path + " is damaged: " + error.what() + "; load another checkpoint");
+    }
   }
   return index;
 }

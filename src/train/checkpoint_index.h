@@ -44,9 +44,14 @@ std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces);
 // cover it exactly once. Throws std::runtime_error naming the file or tensor otherwise.
 CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::string>& files);
 
-// index.json, written (and flushed to the disk) / read. Reading throws
-// std::invalid_argument naming the file when it is missing or malformed.
-void write_index(const CheckpointIndex& index, const std::string& path);
-CheckpointIndex read_index(const std::string& path);
+// index.json, written (and flushed to the disk); returns the CRC-32 of its bytes, which
+// the checkpoint's COMPLETE marker keeps.
+std::string write_index(const CheckpointIndex& index, const std::string& path);
+
+// Reads index.json, checks its bytes against `crc32` (unless empty) and that the pieces
+// of every tensor cover it exactly once, as at the save: a damaged index is never used.
+// Throws std::invalid_argument naming the file when it is missing or malformed, and
+// std::runtime_error when it is damaged.
+CheckpointIndex read_index(const std::string& path, const std::string& crc32);
 
 }  // namespace hp::detail

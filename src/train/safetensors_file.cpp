@@ -84,10 +84,14 @@ std::optional<c10::ScalarType> safetensors_dtype(const std::string& name) {
 
 std::string crc32_of(const at::Tensor& tensor) {
   const at::Tensor bytes = tensor.to(at::kCPU).contiguous();
-  const auto* data = static_cast<const Bytef*>(bytes.data_ptr());
-  const auto size = static_cast<z_size_t>(bytes.numel()) * bytes.element_size();
+  return crc32_of(std::string_view(static_cast<const char*>(bytes.data_ptr()),
+                                   static_cast<size_t>(bytes.numel()) * bytes.element_size()));
+}
+
+std::string crc32_of(std::string_view bytes) {
+  const auto* data = reinterpret_cast<const Bytef*>(bytes.data());
   char hex[9];
-  std::snprintf(hex, sizeof hex, "%08lx", crc32_z(crc32_z(0, nullptr, 0), data, size));
+  std::snprintf(hex, sizeof hex, "%08lx", crc32_z(crc32_z(0, nullptr, 0), data, bytes.size()));
   return hex;
 }
 
@@ -141,7 +145,7 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
   };
   uint64_t header_size = 0;
   if (!read_all(fd_, &header_size, sizeof header_size, 0)) bad("it ends before its header");
-  struct stat info {};
+  struct stat info{};
   if (::fstat(fd_, &info) != 0 || header_size > static_cast<uint64_t>(info.st_size) - 8) {
     bad("its header length exceeds the file");
   }

@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace hp::detail {
@@ -60,5 +61,7 @@ std::optional<c10::ScalarType> safetensors_dtype(const std::string& name);
 // CRC-32 (zlib's) of a tensor's bytes as 8 hex digits; the tensor is made contiguous on
 // the host first.
 std::string crc32_of(const at::Tensor& tensor);
+// The same of bytes.
+std::string crc32_of(std::string_view bytes);
 
 }  // namespace hp::detail

@@ -7,9 +7,12 @@
 #include <c10/core/GradMode.h>
 
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <regex>
 #include <stdexcept>
@@ -163,11 +166,33 @@ int64_t volume(c10::IntArrayRef shape) {
   return n;
 }
 
+// What the COMPLETE marker says: "index.json crc32 <8 hex digits>".
+constexpr const char* kCompleteRecord = "index.json crc32 ";
+
+// The index of the complete checkpoint `dir`, checked against the CRC-32 its COMPLETE
+// marker keeps (a marker without one, from a version that wrote none, checks coverage only).
+detail::CheckpointIndex verified_index(const std::string& dir) {
+  const std::string marker = dir + "/" + kCompleteMarker;
+  std::ifstream in(marker);
+  std::string record;
+  std::getline(in, record);
+  std::string crc32;
+  if (!record.empty()) {
+    if (record.rfind(kCompleteRecord, 0) != 0 ||
+        record.size() != std::strlen(kCompleteRecord) + 8) {
+      throw std::runtime_error(marker + " is damaged (it reads '" + record +
+                               "'); load another checkpoint");
+    }
+    crc32 = record.substr(std::strlen(kCompleteRecord));
+  }
+  return detail::read_index(dir + "/" + kIndexFile, crc32);
+}
+
 // A saved checkpoint, read piece by piece.
 class ShardedCheckpointReader {
  public:
   explicit ShardedCheckpointReader(std::string dir)
-      : dir_(std::move(dir)), index_(detail::read_index(dir_ + "/" + kIndexFile)) {}
+      : dir_(std::move(dir)), index_(verified_index(dir_)) {}
 
   // The entries under `prefix`, named without it.
   detail::FullTensorSource source(const std::string& prefix) {
@@ -287,8 +312,10 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
       if (rank != 0) return;
       std::vector<std::string> files;
       for (int64_t r = 0; r < ranks; ++r) files.push_back(rank_file(r));
-      detail::write_index(detail::index_from_files(staged, files), staged + "/" + kIndexFile);
-      detail::write_file_durably(staged + "/" + kCompleteMarker, "");
+      const std::string index_crc32 =
+          detail::write_index(detail::index_from_files(staged, files), staged + "/" + kIndexFile);
+      detail::write_file_durably(staged + "/" + kCompleteMarker,
+                                 kCompleteRecord + index_crc32 + "\n");
       detail::sync_directory(staged);
       detail::replace_directory(staged, dir);
     });
@@ -329,26 +356,29 @@ bool is_complete_checkpoint(const std::string& dir) {
   return fs::is_regular_file(fs::path(dir) / kCompleteMarker, ignored);
 }
 
-std::optional<std::string> latest_checkpoint(const std::string& root) {
+std::optional<std::string> latest_checkpoint(const std::string& root,
+                                             std::vector<std::string>* skipped) {
   std::error_code error;
   fs::directory_iterator entries(root, error);
   if (error) return std::nullopt;
   static const std::regex step_name("step-([0-9]+)");
-  std::optional<std::string> latest;
-  int64_t latest_step = -1;
+  std::map<int64_t, std::string, std::greater<>> complete;  // newest first
   for (const auto& entry : entries) {
     std::smatch match;
     const std::string name = entry.path().filename().string();
-    if (!std::regex_match(name, match, step_name) || !is_complete_checkpoint(entry.path())) {
-      continue;
-    }
-    const int64_t step = std::stoll(match[1]);
-    if (step > latest_step) {
-      latest_step = step;
-      latest = entry.path().string();
+    if (std::regex_match(name, match, step_name) && is_complete_checkpoint(entry.path())) {
+      complete.emplace(std::stoll(match[1]), entry.path().string());
     }
   }
-  return latest;
+  for (const auto& [step, dir] : complete) {
+    try {
+      verified_index(dir);
+      return dir;
+    } catch (const std::exception& damage) {
+      if (skipped) skipped->push_back(damage.what());
+    }
+  }
+  return std::nullopt;
 }
 
 std::string checkpoint_dir_for_step(const std::string& root, int64_t step) {

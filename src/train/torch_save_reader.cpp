@@ -66,6 +66,16 @@ std::unordered_map<std::string, uint32_t> stored_crcs(const std::string& path) {
   return crcs;
 }
 
+// Whether `size` bytes at `data` match the CRC-32 the zip stores for `record`. LibTorch's
+// reader checks none, and a damaged central directory points it at other bytes.
+bool crc_matches(const std::unordered_map<std::string, uint32_t>& crcs, const std::string& record,
+                 const void* data, size_t size) {
+  const auto stored = crcs.find(record);
+  return stored != crcs.end() &&
+         stored->second == static_cast<uint32_t>(crc32_z(crc32_z(0, nullptr, 0),
+                                                         static_cast<const Bytef*>(data), size));
+}
+
 }  // namespace
 
 TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
@@ -85,8 +95,16 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
                                 error.what_without_backtrace());
   }
   record_crcs_ = stored_crcs(path);
+  const auto checked_record = [&](const std::string& record) {
+    auto [data, size] = archive_->getRecord(record);
+    if (!crc_matches(record_crcs_, record, data.get(), size)) {
+      throw std::invalid_argument(path + ": its record '" + record +
+                                  "' fails the CRC-32 check (the file is damaged)");
+    }
+    return std::make_pair(std::move(data), size);
+  };
   if (archive_->hasRecord("byteorder")) {
-    auto [order, size] = archive_->getRecord("byteorder");
+    auto [order, size] = checked_record("byteorder");
     if (std::string(static_cast<const char*>(order.get()), size) != kHostByteOrder) {
       throw std::invalid_argument(path + " holds tensors in another byte order than this " +
                                   "machine's; load and save it again with Python's torch here");
@@ -97,7 +115,7 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
                                 " has no data.pkl: not written by torch.save (a TorchScript "
                                 "module?); save a dict of tensors");
   }
-  auto [pickle, pickle_size] = archive_->getRecord("data.pkl");
+  auto [pickle, pickle_size] = checked_record("data.pkl");
   size_t pickle_read = 0;
   auto read_pickle = [&, data = static_cast<const char*>(pickle.get())](char* buffer, size_t n) {
     n = std::min(n, pickle_size - pickle_read);
@@ -174,11 +192,8 @@ at::Tensor TorchSaveReader::read(const Entry& entry) {
                                entry.record + "): " + error.what_without_backtrace());
     }
     // LibTorch's reader does not check the archive's CRCs: damaged bytes would load.
-    const auto stored = record_crcs_.find(entry.record);
-    const uint32_t computed = static_cast<uint32_t>(
-        crc32_z(crc32_z(0, nullptr, 0), static_cast<const Bytef*>(storage.data_ptr()),
-                static_cast<size_t>(entry.storage_bytes)));
-    if (stored == record_crcs_.end() || stored->second != computed) {
+    if (!crc_matches(record_crcs_, entry.record, storage.data_ptr(),
+                     static_cast<size_t>(entry.storage_bytes))) {
       throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
                                entry.record +
                                "): its bytes fail the CRC-32 check (the file is damaged)");
