@@ -380,7 +380,12 @@ int train(const TrainOptions& o, const std::string& resolved) {
   if (!o.out.empty()) check_writable("--out", o.out, rank, all);
   std::string resume_from;  // empty: a fresh start
   if (o.resume == "auto") {
-    resume_from = hp::latest_checkpoint(o.save).value_or("");
+    std::vector<std::string> damaged;
+    resume_from = hp::latest_checkpoint(o.save, &damaged).value_or("");
+    for (const std::string& why : damaged) {
+      if (rank == 0)
+        std::printf("--resume auto: passing over a damaged checkpoint: %s\n", why.c_str());
+    }
     if (resume_from.empty() && rank == 0) {
       std::printf("no complete checkpoint under %s: starting fresh\n", o.save.c_str());
     }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "hyperparallel/comm_handle.h"
 
@@ -62,20 +63,29 @@ TEST(CommHandle, ThrowingCallbackSurfacesOnceAndCompletes) {
   EXPECT_EQ(runs, 1) << "the callback runs once, also when it throws";
 }
 
-TEST(CommHandle, FailedPartSkipsTheCombinedCallbackButWaitsEveryPart) {
+// One fault surfaces once: the parts after a failed one fail with it, without a wait of
+// their own (a collective still in flight would wait out its timeout) or their callbacks.
+TEST(CommHandle, AFailedPartFailsTheRestWithIt) {
   int later_part_runs = 0, combined_runs = 0;
   CommHandle failing = CommHandle::deferred([] { throw std::runtime_error("part failed"); });
   CommHandle later = CommHandle::deferred([&] { ++later_part_runs; });
-  CommHandle combined = CommHandle::after({failing, later}, [&] { ++combined_runs; });
+  // Work that never completes: a collective whose peer is stuck.
+  CommHandle stuck = CommHandle::from_work(c10::make_intrusive<c10d::Work>(), {},
+                                           {.explain = [](const std::string&) -> std::string {
+                                             ADD_FAILURE() << "a failed-with part reports";
+                                             return "";
+                                           }});
+  CommHandle combined = CommHandle::after({failing, stuck, later}, [&] { ++combined_runs; });
   try {
     combined.wait();
     ADD_FAILURE() << "the part's error must reach the waiter";
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "part failed");
   }
-  EXPECT_EQ(later_part_runs, 1) << "parts after the failed one are still waited";
+  EXPECT_EQ(later_part_runs, 0) << "parts after the failed one fail with it";
   EXPECT_EQ(combined_runs, 0) << "the combined callback would consume a failed result";
   EXPECT_FALSE(combined.pending());
+  EXPECT_FALSE(stuck.pending()) << "the stuck collective is not waited for";
   EXPECT_FALSE(later.pending());
   combined.wait();
   EXPECT_EQ(combined_runs, 0);

@@ -10,16 +10,21 @@
 // (whose timing varies) near the edge: what fails is the first large allocation of the
 // rank's main thread.
 #include <malloc.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "distributed_test.h"
 #include "error_of.h"
 #include "fsdp_test_util.h"
 #include "models/mlp.h"
+#include "shared_dir.h"
 
 namespace hp {
 namespace {
@@ -280,6 +285,78 @@ HP_DIST_TEST(FullyShardFailures, BypassingShardedIsReported, 2) {
               arrow(x).sum().backward();
             }).find("of the fully_shard-ed module 'block' got a gradient while sharded"),
             std::string::npos);
+}
+
+// A rank that stops mid-step (SIGSTOP: a frozen process or machine) surfaces on the others
+// within the timeout + 3 s, as one error naming the collective and the stopped rank: the
+// collectives still in flight with it fail with the first instead of each waiting out the
+// timeout and a report window of its own. The stopped rank is resumed afterwards and fails
+// too.
+void stopped_rank_surfaces_within_the_bound(bool comm_fusion) {
+  constexpr auto kTimeout = std::chrono::seconds(2);
+  auto world = World::from_env(WorldOptions{kTimeout});
+  const int64_t stopped = world->size() - 1;
+  torch::manual_seed(42);
+  Sharded<Mlp> model(8, 16, 32, 4, 3);
+  FullyShardOptions options;
+  options.mesh = DeviceMesh(world, {{"shard", world->size()}});
+  options.comm_fusion = comm_fusion;
+  for (auto& block : model->blocks) fully_shard(block, options);
+  fully_shard(model, options);
+  const auto step = [&] { model(torch::randn({4, 8})).sum().backward(); };
+  step();  // on every rank: the groups and the lazy initialization are done
+
+  const std::string dir = testing::shared_dir("hp_stopped_rank");
+  const std::string tag = std::to_string(world->size()) + (comm_fusion ? "_fused" : "");
+  const std::string pid_file = dir + "/pid_" + tag;
+  const auto done_file = [&](int64_t rank) {
+    return dir + "/done_" + tag + "_" + std::to_string(rank);
+  };
+  if (world->rank() == stopped) {
+    std::ofstream(pid_file + ".partial") << getpid();
+    std::filesystem::rename(pid_file + ".partial", pid_file);
+    raise(SIGSTOP);
+    EXPECT_NE(error_of(step), "no error") << "the others gave up on this step";
+    return;
+  }
+  pid_t pid = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  const auto is_stopped = [&] {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string pid_field, name, state;
+    stat >> pid_field >> name >> state;  // the program name has no spaces here
+    return state == "T";
+  };
+  while (!(std::ifstream(pid_file) >> pid) || !is_stopped()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "rank " << stopped << " did not stop";
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error = error_of(step);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(
+      error.find("world rank " + std::to_string(stopped) + " did not report the same failure"),
+      std::string::npos)
+      << error;
+  EXPECT_LT(seconds, 2.0 + 3.0) << error;
+  std::ofstream(done_file(world->rank())) << "";
+  if (world->rank() != 0) return;
+  for (int64_t r = 0; r < stopped; ++r) {
+    while (!std::filesystem::exists(done_file(r))) {
+      ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "rank " << r << " did not finish";
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  kill(pid, SIGCONT);
+}
+
+HP_DIST_TEST(FullyShardFailures, AStoppedRankSurfacesWithinTheTimeoutPlus3s, 2, 4) {
+  stopped_rank_surfaces_within_the_bound(/*comm_fusion=*/false);
+}
+
+HP_DIST_TEST(FullyShardFailures, AStoppedRankSurfacesWithinTheTimeoutPlus3sFused, 2) {
+  stopped_rank_surfaces_within_the_bound(/*comm_fusion=*/true);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 
 #include "error_of.h"
 #include "launcher/launcher.h"
+#include "loopback_listener.h"
 #include "program_run.h"
 
 #ifndef HP_RUN_PATH
@@ -367,19 +368,34 @@ TEST(Launcher, ReportsProgramsThatCannotBeExecuted) {
   EXPECT_NE(what.find("cannot execute 'hp-no-such-program-on-path'"), std::string::npos) << what;
 }
 
-// The port the launcher chose stays bound by it for the whole launch (nothing else can
-// take it before rank 0 hosts the store), and rank 0 alone inherits that socket.
-TEST(Launcher, ChosenPortStaysBoundAndRankZeroInheritsItsSocket) {
+// The launcher hosts the store on the port it chose for the whole launch (nothing else can
+// take the port, and a rank that exits takes no store with it) and tells every rank so, as
+// torchrun's agent does; a variable of an outer launcher's own store protocol is not passed on.
+TEST(Launcher, HostsTheStoreOnTheChosenPortAndTellsTheRanks) {
   auto options = sh_ranks(2,
-                          "if [ \"$RANK\" = 0 ]; then readlink /proc/$$/fd/$HP_STORE_LISTEN_FD; "
-                          "else echo \"${HP_STORE_LISTEN_FD:-unset}\"; python3 -c 'import os, "
-                          "socket; socket.socket().bind((\"127.0.0.1\", "
-                          "int(os.environ[\"MASTER_PORT\"])))' 2>&1 | tail -n 1; fi");
-  options.extra_env = {{"HP_STORE_LISTEN_FD", "99"}};  // e.g. from an outer launcher
+                          "echo \"$TORCHELASTIC_USE_AGENT_STORE $TORCHELASTIC_RESTART_COUNT\"; "
+                          "python3 -c 'import os, socket; socket.socket().bind((\"127.0.0.1\", "
+                          "int(os.environ[\"MASTER_PORT\"])))' 2>&1 | tail -n 1");
   const hp::LaunchResult result = hp::launch_local(options);
   ASSERT_EQ(result.exit_code, 0) << result.ranks[0].output << result.ranks[1].output;
-  EXPECT_TRUE(result.ranks[0].output.starts_with("socket:[")) << result.ranks[0].output;
-  EXPECT_EQ(result.ranks[1].output, "unset\nOSError: [Errno 98] Address already in use\n");
+  for (const hp::RankResult& rank : result.ranks) {
+    EXPECT_EQ(rank.output, "True 0\nOSError: [Errno 98] Address already in use\n") << rank.rank;
+  }
+  // A restart count given by the caller (hp-run --max-restarts) is kept.
+  options.extra_env = {{"TORCHELASTIC_RESTART_COUNT", "3"}};
+  options.command = {"sh", "-c", "echo $TORCHELASTIC_RESTART_COUNT"};
+  EXPECT_EQ(hp::launch_local(options).ranks[1].output, "3\n");
+}
+
+TEST(Launcher, AnExplicitPortInUseIsNamed) {
+  const hp::testing::LoopbackListener listener;
+  auto options = sh_ranks(2, "true");
+  options.master_port = listener.port();
+  const std::string what = what_of(options);
+  EXPECT_NE(what.find("cannot host the store on 127.0.0.1:" + std::to_string(listener.port())),
+            std::string::npos)
+      << what;
+  EXPECT_NE(what.find("pick a free --master-port"), std::string::npos) << what;
 }
 
 TEST(Launcher, FindFreePortReturnsABindablePort) {
@@ -409,6 +425,19 @@ TEST(HpRun, PrefixesOutputAndSucceeds) {
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("[rank 0] hi 0\n"), std::string::npos) << run.output;
   EXPECT_NE(run.output.find("[rank 1] hi 1\n"), std::string::npos) << run.output;
+}
+
+// Any torchrun-style program runs under hp-run: PyTorch's own init_process_group connects
+// to the store hp-run hosts (it would fail to host one on MASTER_PORT itself).
+TEST(HpRun, RunsAPythonTorchProgram) {
+  const ProgramRun run = run_hp_run("-n 2 --timeout 120 -- python3 " + std::string(HP_SOURCE_DIR) +
+                                    "/tests/python/torch_allreduce.py");
+  if (run.exit_code == 77) GTEST_SKIP() << "python3 cannot import torch.distributed";
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("[rank 0] rank 0 of 2: sum 3, expected 3"), std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("[rank 1] rank 1 of 2: sum 3, expected 3"), std::string::npos)
+      << run.output;
 }
 
 TEST(HpRun, TimeoutExitsWith124) {

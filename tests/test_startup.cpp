@@ -4,8 +4,6 @@
 // case runs with a short HP_TIMEOUT_S, and the others must fail within it, with one line naming the
 // missing rank or the variable at fault, and no C++ backtrace.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +14,7 @@
 #include <string>
 
 #include "launcher/launcher.h"
+#include "loopback_listener.h"
 #include "program_run.h"
 
 #ifndef WORLD_JOIN_PATH
@@ -112,6 +111,44 @@ TEST(Startup, RanksThatNeverStartAreNamedWithinTheTimeout) {
   EXPECT_LT(rank1.seconds, 4.5) << "the timeout is 3 s";
 }
 
+// Ranks started with different WORLD_SIZEs are told so, not that a rank is missing.
+TEST(Startup, ADifferentWorldSizeIsNamed) {
+  const int port = find_free_port();
+  const Timed rank0 =
+      timed(both(rank_command(1, 3, port, 3) + " > /dev/null 2>&1", rank_command(0, 2, port, 3)));
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output,
+                       "world_join: error: start-up join of 2 ranks: rank 1 expects a group of 3 "
+                       "ranks, this rank (0) one of 2: start every rank with the same WORLD_SIZE"))
+      << rank0.run.output;
+  expect_no_backtrace(rank0.run.output);
+  EXPECT_LT(rank0.seconds, 2.9) << "at once, not after the timeout (3 s)";
+}
+
+// Two processes started with the same RANK: the later one is told so at once, and the
+// job of the first one goes on (rank 0, which hosts the store, stays 4 s after the join, so
+// that the later one still finds it).
+TEST(Startup, ADuplicatedRankIsNamed) {
+  const int port = find_free_port();
+  TempFile first, second;
+  const ProgramRun run =
+      run_program("{ " + rank_command(1, 2, port, 10) + " > " + first.path.string() + " 2>&1 & " +
+                  rank_command(1, 2, port, 10) + " > " + second.path.string() + " 2>&1 & " +
+                  "WORLD_JOIN_SLEEP_S=4 " + rank_command(0, 2, port, 10) +
+                  "; status=$?; wait; exit $status; }");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  const std::string message =
+      "world_join: error: start-up join of 2 ranks: another process arrived as rank 1 before "
+      "this one: start each process with a RANK of its own (0 to WORLD_SIZE - 1)";
+  const bool first_refused = contains(first.text(), message);
+  EXPECT_NE(first_refused, contains(second.text(), message)) << first.text() << "\n---\n"
+                                                             << second.text();
+  EXPECT_TRUE(contains(first_refused ? second.text() : first.text(), "rank 1 of 2 joined"))
+      << first.text() << "\n---\n"
+      << second.text();
+  expect_no_backtrace(first.text() + second.text());
+}
+
 TEST(Startup, ARankThatGivesUpLaterStillNamesTheMissingRank) {
   // Rank 0 (the store's host) reaches its deadline first; rank 2, started 1 s later,
   // reaches its own while rank 0 waits for it to take the verdict, instead of finding the
@@ -145,12 +182,40 @@ TEST(Startup, ACollectiveARankDoesNotReachNamesItWithinTheTimeout) {
                        "world_join: error: all_reduce #1 over group 'world' "
                        "failed ("))
       << rank0.run.output;
-  EXPECT_TRUE(contains(rank0.run.output, "; rank 1 of the group did not report it within 2 s"))
+  EXPECT_TRUE(
+      contains(rank0.run.output, "; world rank 1 did not report the same failure within 2 s"))
       << rank0.run.output;
   EXPECT_TRUE(contains(rank0.run.output, "HP_TIMEOUT_S")) << rank0.run.output;
   expect_no_backtrace(rank0.run.output);
   EXPECT_GE(rank0.seconds, 3.9) << "the timeout (2 s) and the wait for reports (2 s)";
   EXPECT_LT(rank0.seconds, 5.5) << rank0.run.output;
+}
+
+// Rank 0 hosts the store and freezes after the join (SIGSTOP: a stopped or cut-off host):
+// rank 1's all-reduce times out, and reporting that in the store must not wait on the frozen
+// host for as long as TCP retries. The error comes within the timeout + 3 s and says why.
+TEST(Startup, AStoreHostThatStopsAfterStartUpEndsTheOthersWithinTheBound) {
+  const int port = find_free_port();
+  const Timed rank1 = timed("{ env WORLD_JOIN_STOP=1 " + rank_command(0, 2, port, 2) +
+                            " > /dev/null 2>&1 & host=$!; " + rank_command(1, 2, port, 2) +
+                            "; status=$?; kill -KILL $host; wait; exit $status; }");
+  EXPECT_EQ(rank1.run.exit_code, 1) << rank1.run.output;
+  EXPECT_TRUE(contains(rank1.run.output,
+                       "world_join: error: all_reduce #1 over group 'world' "
+                       "failed ("))
+      << rank1.run.output;
+  EXPECT_TRUE(contains(rank1.run.output,
+                       "; the store did not answer within 3 s: the process that hosts the store "
+                       "(hp-run, torchrun's agent, or else rank 0) is stopped, or this machine "
+                       "is cut off from it"))
+      << rank1.run.output;
+  expect_no_backtrace(rank1.run.output);
+  std::smatch after_join;  // the host stopped right after the join
+  ASSERT_TRUE(
+      std::regex_search(rank1.run.output, after_join, std::regex(", ([0-9.]+) s after joining")))
+      << rank1.run.output;
+  EXPECT_GE(std::stod(after_join[1]), 4.9) << "the timeout (2 s) and the bounded store calls (3 s)";
+  EXPECT_LT(std::stod(after_join[1]), 2.0 + 3.0 + 0.5) << rank1.run.output;
 }
 
 TEST(Startup, RanksStartingLateWithinTheTimeoutJoin) {
@@ -180,18 +245,8 @@ TEST(Startup, UnresolvableMasterAddrIsNamedWithinTheTimeout) {
 }
 
 TEST(Startup, AForeignListenerOnMasterPortIsNamed) {
-  // A listening socket that never accepts: the kernel still completes connections into
-  // its backlog, and nothing ever answers.
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(listener, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  ASSERT_EQ(listen(listener, 16), 0);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  const int port = ntohs(address.sin_port);
+  const LoopbackListener listener;
+  const int port = listener.port();
 
   const Timed client = timed(rank_command(1, 2, port, 3));
   EXPECT_EQ(client.run.exit_code, 1) << client.run.output;
@@ -210,7 +265,6 @@ TEST(Startup, AForeignListenerOnMasterPortIsNamed) {
       << host.run.output;
   EXPECT_GE(host.seconds, 0) << host.run.output;
   EXPECT_LT(host.seconds, 1.0) << "a port in use is known at once";
-  close(listener);
 }
 
 }  // namespace

@@ -229,6 +229,41 @@ TEST(Trainer, ConfigFileFlagsAndBadInput) {
       << no_data.output;
 }
 
+// --config files are read by a TOML parser, and every key must name an option; NaN and
+// infinity are no numbers for any option. Each is a usage error (exit 2) before any step.
+TEST(Trainer, MalformedConfigsUnknownKeysAndNonFiniteNumbersAreUsageErrors) {
+  TempDir dir;
+  fs::create_directories(dir.path);
+  const std::string config = (dir.path / "run.toml").string();
+  const auto parse = [&](const std::string& flags) {
+    return run_program(std::string(TRAIN_DECODER_PATH) + " --data " + HP_SOURCE_DIR + "/docs " +
+                       flags);
+  };
+  const std::vector<std::pair<std::string, std::string>> configs = {
+      {"steps = [1, 2\n", "--config: not valid TOML at line 1"},
+      {"prompt = \"unclosed\n", "--config: not valid TOML at line 1"},
+      {"[[[\n", "--config: not valid TOML at line 1"},
+      {"steps = 3\nfree text\n", "--config: not valid TOML at line 2"},
+      {"steps = 3\nstepz = 3\n", "--config: unknown key 'stepz' (line 2)"},
+      {"[model]\ndim = 8\n", "--config: unknown key 'model' (line 1)"},
+      {"lr = nan\n", "must be a finite number"}};
+  for (const auto& [text, expected] : configs) {
+    std::ofstream(config, std::ios::trunc) << text;
+    const ProgramRun run = parse("--config " + config);
+    EXPECT_EQ(run.exit_code, 2) << text << run.output;
+    EXPECT_TRUE(contains(run.output, expected)) << text << run.output;
+  }
+  for (const std::string flag : {"--clip-grad nan", "--timeout nan", "--lr nan", "--lr inf",
+                                 "--val-fraction nan", "--balance-loss nan"}) {
+    const ProgramRun run = parse(flag);
+    EXPECT_EQ(run.exit_code, 2) << flag << run.output;
+    EXPECT_TRUE(contains(run.output, "must be a finite number")) << flag << run.output;
+  }
+  const ProgramRun hp_run = run_program(std::string(HP_RUN_PATH) + " --timeout nan -- true");
+  EXPECT_EQ(hp_run.exit_code, 2) << hp_run.output;
+  EXPECT_TRUE(contains(hp_run.output, "must be a finite number")) << hp_run.output;
+}
+
 // The losses and grad norms each step printed, as (loss, grad norm) pairs.
 std::vector<std::pair<double, double>> step_lines(const std::string& output) {
   std::vector<std::pair<double, double>> steps;

@@ -3,11 +3,13 @@
 // the rank program of the start-up tests, which start ranks late, leave some out or point
 // them at the wrong place, or have one come late to the all-reduce.
 #include <ATen/ATen.h>
+#include <signal.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -16,8 +18,14 @@
 
 int main() {
   const auto start = std::chrono::steady_clock::now();
+  std::optional<std::chrono::steady_clock::time_point> joined;
   try {
     const auto world = hp::World::from_env();
+    joined = std::chrono::steady_clock::now();
+    // WORLD_JOIN_STOP=1: this rank stops itself (SIGSTOP) once joined, as a frozen machine.
+    if (const char* stop = std::getenv("WORLD_JOIN_STOP"); stop && std::string(stop) == "1") {
+      raise(SIGSTOP);
+    }
     // WORLD_JOIN_SLEEP_S: this rank comes to the all-reduce that many seconds late.
     if (const char* late = std::getenv("WORLD_JOIN_SLEEP_S")) {
       std::this_thread::sleep_for(std::chrono::duration<double>(std::stod(late)));
@@ -32,8 +40,13 @@ int main() {
   } catch (const std::exception& error) {
     // The time inside the process: the tests bound it by the timeout, independent of
     // how long a loaded machine takes to start and end the process.
-    std::fprintf(stderr, "world_join: error: %s\nworld_join: failed after %.2f s\n", error.what(),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const auto since = [](std::chrono::steady_clock::time_point t) {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    };
+    std::fprintf(stderr, "world_join: error: %s\nworld_join: failed after %.2f s", error.what(),
+                 since(start));
+    if (joined) std::fprintf(stderr, ", %.2f s after joining", since(*joined));
+    std::fprintf(stderr, "\n");
     return 1;
   }
 }

@@ -5,6 +5,7 @@
 set -euo pipefail
 
 PACKAGES=(g++ cmake make ninja-build libgtest-dev nlohmann-json3-dev zlib1g-dev libzip-dev libcli11-dev
+          libtomlplusplus-dev
           python3-venv iproute2 procps)
 
 command -v dpkg-query >/dev/null || exit 0

@@ -2,7 +2,12 @@
 
 #include <CLI/CLI.hpp>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <sstream>
+
+#include "examples/trainer/toml_config.h"
 
 namespace hp::trainer {
 
@@ -29,6 +34,18 @@ std::string check_mesh(const std::string& text) {
   return "";
 }
 
+// NaN and infinity pass every range check (each comparison with NaN is false).
+const CLI::Validator kFinite(
+    [](std::string& text) -> std::string {
+      char* end = nullptr;
+      const double value = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || !std::isfinite(value)) {
+        return "must be a finite number, got '" + text + "'";
+      }
+      return "";
+    },
+    "FINITE");
+
 }  // namespace
 
 ParsedOptions parse_train_options(int argc, char** argv, bool print) {
@@ -44,6 +61,8 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.set_config("--config", "",
                  "TOML file of options (names as the long flags, e.g. steps = 600); flags on "
                  "the command line override it");
+  app.config_formatter(std::make_shared<TomlConfig>(app));
+  app.allow_config_extras(CLI::config_extras_mode::error);
   app.option_defaults()->always_capture_default();
 
   app.add_option("--data", o.data, "text files and directories (searched recursively)")
@@ -51,6 +70,7 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->group("Data");
   app.add_option("--val-fraction", o.validation_fraction,
                  "the end of every file held out for validation")
+      ->check(kFinite)
       ->check(CLI::Range(0.01, 0.5))
       ->group("Data");
 
@@ -72,12 +92,14 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->check(CLI::Range(1, 1 << 20))
       ->group("Training");
   app.add_option("--lr", o.lr, "AdamW peak learning rate")
+      ->check(kFinite)
       ->check(CLI::PositiveNumber)
       ->group("Training");
   app.add_option("--warmup", o.warmup, "linear warmup steps, then cosine decay to lr/10")
       ->check(CLI::Range(0, 10'000'000))
       ->group("Training");
   app.add_option("--clip-grad", o.clip_grad, "clip gradients to this global norm; 0: off")
+      ->check(kFinite)
       ->check(CLI::NonNegativeNumber)
       ->group("Training");
   app.add_option("--seed", o.seed, "initialization, data order and sampling")
@@ -110,6 +132,7 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->group("Model");
   app.add_option("--balance-loss", o.balance_loss,
                  "coefficient of the MoE layers' load-balancing loss (0: none)")
+      ->check(kFinite)
       ->check(CLI::NonNegativeNumber)
       ->group("Model");
   app.add_option("--mp", o.mp,
@@ -123,6 +146,7 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
                  "seconds start-up and every collective wait for the other ranks before failing "
                  "(naming the ranks that did not arrive); 0: HP_TIMEOUT_S from the environment, "
                  "else 300")
+      ->check(kFinite)
       ->check(CLI::Range(0.0, 1e7))
       ->group("Parallelism");
   app.add_option("--recompute", o.recompute, "activation recomputation of every block")

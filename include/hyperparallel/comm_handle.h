@@ -7,8 +7,10 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,17 +20,27 @@ class Work;
 
 namespace hp {
 
+// How a collective fails (Group::on_failure makes it).
+struct CommFailure {
+  // Turns the backend's message into the error wait() throws (unset: the message as is),
+  // e.g. one naming the operation and the ranks that did not reach it.
+  std::function<std::string(const std::string&)> explain;
+  // Past this, wait() counts the collective as failed (unset: the backend decides). Gloo
+  // starts an operation's timeout only when a worker thread takes it up, so one queued
+  // behind a stuck operation would otherwise wait a timeout of its own after that one.
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+};
+
 class CommHandle {
  public:
   // A completed handle: wait() does nothing.
   CommHandle() = default;
 
   // Real communication; `on_complete` (optional) runs once after the work finished. When
-  // the work fails, `on_failure` (optional) turns its message into the error wait() throws
-  // (std::runtime_error), e.g. one naming the operation and the ranks that did not reach it.
+  // the work fails or misses `failure.deadline`, wait() throws std::runtime_error with the
+  // message `failure.explain` makes.
   static CommHandle from_work(c10::intrusive_ptr<c10d::Work> work,
-                              std::function<void()> on_complete = {},
-                              std::function<std::string(const std::string&)> on_failure = {});
+                              std::function<void()> on_complete = {}, CommFailure failure = {});
 
   // No communication; `on_complete` runs once, at the first wait().
   static CommHandle deferred(std::function<void()> on_complete);
@@ -38,9 +50,10 @@ class CommHandle {
 
   // Blocks until the communication finished, then runs the completion callback if it
   // has not run yet. Safe to call any number of times, from copies of the handle too.
-  // If the work, a part or the callback throws, this wait() rethrows it (after waiting
-  // every part; the callback is skipped when its work failed) and the handle is done:
-  // later waits do nothing.
+  // If the work, a part or the callback throws, this wait() rethrows the first error and
+  // the handle is done: later waits do nothing. The callback is skipped when its work
+  // failed, and the parts after a failed one fail with it: no wait for each to time out,
+  // no report of its own, no callback (collectives still in flight keep their buffers).
   void wait();
 
   // True until wait() has run to its end: there is work or a callback still to consume.
@@ -52,6 +65,13 @@ class CommHandle {
 
  private:
   struct State;
+  // Waits for the work, by the failure deadline when there is one.
+  void wait_for_work();
+  // Marks the handle done and returns the callback it had, not yet run.
+  std::function<void()> finish();
+  // Done without waiting: in-flight work is kept alive (never freed), callbacks dropped.
+  void abandon();
+
   std::shared_ptr<State> state_;
 };
 

@@ -17,18 +17,15 @@ struct LaunchEnv {
   // HP_TIMEOUT_S (seconds, may be fractional): how long start-up and collectives wait
   // for the other ranks. Unset: WorldOptions decides (5 minutes by default).
   std::optional<std::chrono::milliseconds> timeout;
-  // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent already hosts the TCPStore on
-  // MASTER_PORT, so every rank (rank 0 too) connects to it as a client.
+  // TORCHELASTIC_USE_AGENT_STORE=True: the launcher (torchrun's agent, hp-run) already hosts
+  // the TCPStore on MASTER_PORT, so every rank (rank 0 too) connects to it as a client.
   bool agent_store = false;
   // TORCHELASTIC_RESTART_COUNT: which attempt this is (0 for the first, or when unset).
   int64_t restart_count = 0;
-  // HP_STORE_LISTEN_FD (hp-run sets it for rank 0 when it chose MASTER_PORT): an inherited
-  // socket bound to MASTER_PORT, on which rank 0 hosts the store.
-  std::optional<int> store_listen_fd;
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK (optional, defaults to RANK), MASTER_ADDR,
   // MASTER_PORT and the optional HP_TIMEOUT_S, TORCHELASTIC_USE_AGENT_STORE,
-  // TORCHELASTIC_RESTART_COUNT and HP_STORE_LISTEN_FD. Throws std::invalid_argument naming the
+  // and TORCHELASTIC_RESTART_COUNT. Throws std::invalid_argument naming the
   // variable and the fix when one is missing or invalid.
   static LaunchEnv from_environment();
 };

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "hyperparallel/comm_handle.h"
+
 namespace c10d {
 class Backend;
 class Store;
@@ -48,10 +50,14 @@ class Group {
   // with CUDA). Throws for size-1 groups, which need none, and for devices it has none for.
   c10d::Backend& backend(c10::DeviceType device_type) const;
 
-  // Counts a collective issued on this group (every member issues the same ones in the
-  // same order) and returns the function that turns its failure into an error naming the
-  // operation, the group and the members that did not reach it.
-  std::function<std::string(const std::string& error)> on_failure(std::string operation) const;
+  // How long its collectives wait for the other members: the World's timeout.
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Counts a collective issued on this group on `backend` (every member issues the same
+  // ones in the same order) and returns how it fails: an error naming the operation, the
+  // group and the members that did not reach it; on Gloo also past timeout() from now,
+  // also when it waited in the backend's queue behind another collective.
+  CommFailure on_failure(std::string operation, const c10d::Backend& backend) const;
 
  private:
   friend class World;
@@ -60,7 +66,8 @@ class Group {
   // `store` (the world's): where members report a failed collective to one another.
   Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group, c10::Device device,
         c10::intrusive_ptr<c10d::Backend> cpu_backend,
-        c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store);
+        c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store,
+        std::chrono::milliseconds timeout);
 
   std::string name_;
   std::vector<int64_t> ranks_;
@@ -69,6 +76,7 @@ class Group {
   c10::intrusive_ptr<c10d::Backend> cpu_backend_;
   c10::intrusive_ptr<c10d::Backend> cuda_backend_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
   mutable int64_t collectives_issued_ = 0;
   bool shut_down_ = false;
 };

@@ -62,7 +62,7 @@ CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) 
     throw;
   }
   parts.push_back(CommHandle::from_work(backend->endCoalescing(), {},
-                                        group.on_failure("coalesced collectives")));
+                                        group.on_failure("coalesced collectives", *backend)));
   return CommHandle::after(std::move(parts), {});
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <stdexcept>
@@ -21,7 +22,9 @@ constexpr int kUsageExit = 2;
 constexpr const char* kDescription =
     "Starts N ranks of PROGRAM on this machine with RANK, LOCAL_RANK, WORLD_SIZE, "
     "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, prints their output as \"[rank K] "
-    "line\", and stops every rank as soon as one fails.";
+    "line\", and stops every rank as soon as one fails. Like torchrun's agent, it hosts the "
+    "job's TCPStore on MASTER_PORT itself (TORCHELASTIC_USE_AGENT_STORE=True), so any "
+    "torchrun-style program runs under it.";
 
 constexpr const char* kUsage = "usage: hp-run [OPTIONS] [--] PROGRAM [ARGS...]";
 
@@ -62,11 +65,18 @@ Args parse_args(int argc, char** argv) {
   app.add_option("--timeout", args.timeout_s,
                  "kill all ranks after this many seconds, per attempt (a timeout is not "
                  "restarted); 0: no limit")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            return std::isfinite(std::strtod(text.c_str(), nullptr))
+                       ? std::string()
+                       : "must be a finite number, got '" + text + "'";
+          },
+          "FINITE"))
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--master-addr,--master_addr", args.options.master_addr, "rendezvous address")
       ->check([](const std::string& addr) { return addr.empty() ? "is empty" : ""; });
   app.add_option("--master-port,--master_port", args.options.master_port,
-                 "rendezvous port; 0: a free port")
+                 "where hp-run hosts the store; 0: a free port")
       ->check(CLI::Range(0, 65535));
   try {
     app.parse(argc, argv);

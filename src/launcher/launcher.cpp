@@ -1,6 +1,6 @@
-// Local multi-process launcher: fork+exec of N ranks, one output pipe per rank, a poll()
-// loop that forwards output and watches exits, and process-group teardown on failure,
-// timeout or interrupt.
+// Local multi-process launcher: the job's TCPStore hosted here, fork+exec of N ranks, one
+// output pipe per rank, a poll() loop that forwards output and watches exits, and
+// process-group teardown on failure, timeout or interrupt.
 
 #include "launcher.h"
 
@@ -25,7 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <tuple>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <utility>
 #include <vector>
 
@@ -149,6 +149,7 @@ class UniqueFd {
   ~UniqueFd() { reset(); }
 
   int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
   void reset() {
     if (fd_ >= 0) close(fd_);
     fd_ = -1;
@@ -169,8 +170,10 @@ int exit_code_of(const siginfo_t& info) {
   return info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
 }
 
-// The variable that hands rank 0 the store's socket (LaunchEnv::store_listen_fd).
-constexpr const char* kStoreListenFd = "HP_STORE_LISTEN_FD";
+// Set for every rank, as torchrun's agent sets it: the store is ours, the ranks connect.
+constexpr const char* kAgentStore = "TORCHELASTIC_USE_AGENT_STORE";
+// Programs under an agent store keep each attempt's keys apart by it (PyTorch requires it).
+constexpr const char* kRestartCount = "TORCHELASTIC_RESTART_COUNT";
 
 // A socket bound to a free TCP port of `addr` (close-on-exec, not listening), and the port.
 std::pair<UniqueFd, int> bind_free_port(const std::string& addr) {
@@ -284,13 +287,7 @@ class Launch {
   void start_ranks() {
     auto env = inherited_environment();
     for (const auto& [key, value] : options_.extra_env) env.insert_or_assign(key, value);
-    int port = options_.master_port;
-    if (port == 0) {
-      // Bound here and handed to rank 0, which hosts the store on it: no other program can
-      // take the port between its choice and the store's start (a bind of port 0 elsewhere
-      // on the machine could, with a port only found free).
-      std::tie(store_socket_, port) = bind_free_port(options_.master_addr);
-    }
+    const int port = host_store();
     const std::string world = std::to_string(options_.nprocs);
     env.insert_or_assign("WORLD_SIZE", world);
     env.insert_or_assign("LOCAL_WORLD_SIZE", world);
@@ -298,6 +295,8 @@ class Launch {
     env.insert_or_assign("GROUP_RANK", "0");
     env.insert_or_assign("MASTER_ADDR", options_.master_addr);
     env.insert_or_assign("MASTER_PORT", std::to_string(port));
+    env.insert_or_assign(kAgentStore, "True");
+    env.try_emplace(kRestartCount, "0");
 
     std::vector<std::string> args = options_.command;
     std::vector<char*> argv = c_array(args);
@@ -312,22 +311,40 @@ class Launch {
       env.insert_or_assign("RANK", rank);
       env.insert_or_assign("LOCAL_RANK", rank);
       env.insert_or_assign("ROLE_RANK", rank);
-      const int inherited = r == 0 ? store_socket_.get() : -1;
-      if (inherited >= 0) {
-        env.insert_or_assign(kStoreListenFd, std::to_string(inherited));
-      } else {
-        env.erase(kStoreListenFd);  // also one this launcher inherited itself
-      }
       std::vector<std::string> entries;
       for (const auto& [key, value] : env) entries.push_back(key + "=" + value);
       std::vector<char*> envp = c_array(entries);
-      start_rank(r, argv.data(), envp.data(), path_ptrs.data(), null_fd.get(), inherited);
+      start_rank(r, argv.data(), envp.data(), path_ptrs.data(), null_fd.get());
     }
   }
 
-  // `inherited`: a descriptor the rank keeps across exec (-1: none).
-  void start_rank(int r, char* const argv[], char* const envp[], char* const paths[], int null_fd,
-                  int inherited) {
+  // Hosts the job's TCPStore on MASTER_PORT, as torchrun's agent does, and returns the port.
+  // Every rank is a client, so a rank that exits or stops takes no store with it. A port
+  // chosen here is bound first and the store listens on that very socket: nothing else can
+  // take the port in between (a bind of port 0 elsewhere could take a port only found free).
+  int host_store() {
+    c10d::TCPStoreOptions store_options;
+    store_options.isServer = true;
+    store_options.waitWorkers = false;
+    store_options.numWorkers = static_cast<size_t>(options_.nprocs);
+    store_options.useLibUV = false;  // also the ranks' choice (rendezvous.cpp)
+    store_options.port = static_cast<uint16_t>(options_.master_port);
+    if (options_.master_port == 0) {
+      auto [socket, port] = bind_free_port(options_.master_addr);
+      store_options.port = static_cast<uint16_t>(port);
+      store_options.masterListenFd = socket.release();  // the store closes it
+    }
+    try {
+      store_ = c10::make_intrusive<c10d::TCPStore>(options_.master_addr, store_options);
+    } catch (const c10::Error& error) {
+      fail("cannot host the store on " + options_.master_addr + ":" +
+           std::to_string(store_options.port) + " (" + error.what_without_backtrace() +
+           "); pick a free --master-port, or 0 for one chosen here");
+    }
+    return store_options.port;
+  }
+
+  void start_rank(int r, char* const argv[], char* const envp[], char* const paths[], int null_fd) {
     auto [out_read, out_write] = make_pipe();
     // Carries the child's exec errno; closes without data when exec succeeds.
     auto [status_read, status_write] = make_pipe();
@@ -351,7 +368,6 @@ class Launch {
       dup2(null_fd, STDIN_FILENO);
       dup2(out_write.get(), STDOUT_FILENO);
       dup2(out_write.get(), STDERR_FILENO);
-      if (inherited >= 0) fcntl(inherited, F_SETFD, 0);  // not close-on-exec in this rank
       int err = ENOENT;
       for (char* const* path = paths; *path != nullptr; ++path) {
         execve(*path, argv, envp);
@@ -499,7 +515,7 @@ class Launch {
   }
 
   const LaunchOptions& options_;
-  UniqueFd store_socket_;  // bound to MASTER_PORT when this launch chose it; rank 0's
+  c10::intrusive_ptr<c10d::TCPStore> store_;  // outlives the ranks (destroyed after them)
   LaunchResult result_;
   std::vector<Rank> ranks_;
   std::optional<Clock::time_point> teardown_at_;

@@ -4,6 +4,11 @@
 // watches them, and tears all of them down when one fails or time runs out.
 // Used by the `hp-run` program and by the multi-rank test harness.
 //
+// Like torchrun's agent, the launcher hosts the job's c10d TCPStore on MASTER_PORT itself
+// for the whole launch and tells the ranks so (TORCHELASTIC_USE_AGENT_STORE=True; also
+// TORCHELASTIC_RESTART_COUNT=0 unless given): any torchrun-style program runs under it,
+// PyTorch's `init_process_group` included, and a rank's death takes no store with it.
+//
 // Each rank runs in its own process group, with stdin from /dev/null and stdout+stderr
 // into a pipe read by the launcher. Teardown sends SIGTERM to every remaining rank's
 // process group (so a rank's own children stop too) and SIGKILL 2 s later.
@@ -22,8 +27,8 @@ struct LaunchOptions {
   std::map<std::string, std::string> extra_env;
   std::chrono::milliseconds timeout{0};  // 0: no limit
   std::string master_addr = "127.0.0.1";
-  // 0: a free port of master_addr, bound by the launcher and handed to rank 0, which hosts
-  // the store on that socket (HP_STORE_LISTEN_FD), so that nothing can take it meanwhile.
+  // Where the launcher hosts the store. 0: a free port of master_addr, bound before the
+  // store listens on that very socket, so that nothing can take it meanwhile.
   int master_port = 0;
   // true: copy each rank's output lines to our stdout as "[rank K] line" as they come;
   // false: keep each rank's output (stdout and stderr merged) in RankResult::output.
@@ -47,8 +52,9 @@ struct LaunchResult {
 };
 
 // Runs the ranks to completion. Throws std::runtime_error for bad options
-// (nprocs < 1, empty command) or when the processes cannot be started (e.g. the command
-// cannot be executed); ranks already started are killed first.
+// (nprocs < 1, empty command), when the store cannot be hosted (master_port in use) or when
+// the processes cannot be started (e.g. the command cannot be executed); ranks already
+// started are killed first.
 //
 // SIGINT, SIGTERM and SIGHUP received meanwhile (unless ignored) are forwarded to the
 // ranks; once they are gone the signal is re-raised with the caller's disposition restored,

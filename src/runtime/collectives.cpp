@@ -161,7 +161,7 @@ CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat,
         detail::free_storage(received);
         received = at::Tensor();
       },
-      group.on_failure("reduce_scatter"));
+      group.on_failure("reduce_scatter", backend));
 }
 
 // The tensor and the peer of a send or receive: another rank of the group.
@@ -205,7 +205,7 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
   at::Tensor in = transport.input(in_flat);
   auto work = transport.backend()._allgather_base(out, in);
   return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("all_gather"));
+                               group.on_failure("all_gather", transport.backend()));
 }
 
 CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
@@ -229,7 +229,7 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
   auto work = transport.backend()._reduce_scatter_base(out, in, options);
   return CommHandle::from_work(std::move(work),
                                transport.completion(average_after(op, output, group.size())),
-                               group.on_failure("reduce_scatter"));
+                               group.on_failure("reduce_scatter", transport.backend()));
 }
 
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
@@ -242,7 +242,7 @@ CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   auto work = transport.backend().allreduce(tensors, options);
   return CommHandle::from_work(std::move(work),
                                transport.completion(average_after(op, tensor, group.size())),
-                               group.on_failure("all_reduce"));
+                               group.on_failure("all_reduce", transport.backend()));
 }
 
 CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& group,
@@ -276,7 +276,7 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
   at::Tensor in = transport.input(input);
   auto work = transport.backend().alltoall_base(out, in, output_splits, input_splits);
   return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("all_to_all"));
+                               group.on_failure("all_to_all", transport.backend()));
 }
 
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
@@ -289,7 +289,7 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   options.rootRank = src;
   auto work = transport.backend().broadcast(tensors, options);
   return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("broadcast"));
+                               group.on_failure("broadcast", transport.backend()));
 }
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
@@ -312,7 +312,8 @@ CommHandle barrier(const Group& group) {
   if (group.size() == 1) return {};
   // Gloo where the group has it; else NCCL's barrier, an all-reduce on the bound GPU.
   const c10::DeviceType on = group.has_cpu_backend() ? c10::kCPU : group.device().type();
-  return CommHandle::from_work(group.backend(on).barrier(), {}, group.on_failure("barrier"));
+  c10d::Backend& backend = group.backend(on);
+  return CommHandle::from_work(backend.barrier(), {}, group.on_failure("barrier", backend));
 }
 
 }  // namespace hp

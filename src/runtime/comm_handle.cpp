@@ -1,27 +1,57 @@
 #include "hyperparallel/comm_handle.h"
 
+#include <algorithm>
+#include <chrono>
 #include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <utility>
+#include <vector>
+
+#include "tensor_storage.h"
 
 namespace hp {
+namespace {
+
+// A collective given up on while still in flight: the backend may still write into its
+// outputs, whatever their owners do meanwhile (fully_shard frees an abandoned unshard's
+// storage). Its Work and its outputs' memory are kept for the rest of the process; the
+// output tensors are left without storage.
+void keep_in_flight(c10::intrusive_ptr<c10d::Work> work) {
+  static auto* const mutex = new std::mutex;
+  static auto* const kept = new std::vector<at::DataPtr>;  // never freed, not even at exit
+  std::vector<at::Tensor> outputs;
+  try {
+    outputs = work->result();
+  } catch (const std::exception&) {  // a Work that keeps no outputs: it holds what it uses
+  }
+  std::lock_guard lock(*mutex);
+  for (const at::Tensor& output : outputs) {
+    if (output.defined() && detail::storage_is_allocated(output)) {
+      kept->push_back(detail::take_storage(output));
+    }
+  }
+  (void)work.release();
+}
+
+}  // namespace
 
 struct CommHandle::State {
   c10::intrusive_ptr<c10d::Work> work;
   std::vector<CommHandle> parts;
   std::function<void()> on_complete;
-  std::function<std::string(const std::string&)> on_failure;
+  CommFailure failure;
   bool done = false;
 };
 
 CommHandle CommHandle::from_work(c10::intrusive_ptr<c10d::Work> work,
-                                 std::function<void()> on_complete,
-                                 std::function<std::string(const std::string&)> on_failure) {
+                                 std::function<void()> on_complete, CommFailure failure) {
   CommHandle handle;
   handle.state_ = std::make_shared<State>();
   handle.state_->work = std::move(work);
   handle.state_->on_complete = std::move(on_complete);
-  handle.state_->on_failure = std::move(on_failure);
+  handle.state_->failure = std::move(failure);
   return handle;
 }
 
@@ -37,38 +67,73 @@ CommHandle CommHandle::after(std::vector<CommHandle> parts, std::function<void()
 
 void CommHandle::wait() {
   if (!state_ || state_->done) return;
-  // Every part is waited even when one fails (their buffers stay in use until then), and
-  // the handle is done either way: a failed collective or callback surfaces once, here,
-  // and never leaves the handle pending.
   std::exception_ptr error;
   try {
-    if (state_->work) state_->work->wait();
+    if (state_->work) wait_for_work();
   } catch (const std::exception& failure) {
-    if (state_->on_failure) {
+    if (state_->failure.explain) {
       const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
-      error = std::make_exception_ptr(std::runtime_error(
-          state_->on_failure(c10_error ? c10_error->what_without_backtrace() : failure.what())));
+      error = std::make_exception_ptr(std::runtime_error(state_->failure.explain(
+          c10_error ? c10_error->what_without_backtrace() : failure.what())));
     } else {
       error = std::current_exception();
     }
   }
+  // After a failure the remaining parts fail with it: waiting for each to time out and
+  // report on its own would multiply the time to surface one fault (their peers are gone
+  // or stuck alike). A failed collective or callback surfaces once, here, and never leaves
+  // the handle pending.
   for (auto& part : state_->parts) {
+    if (error) {
+      part.abandon();
+      continue;
+    }
     try {
       part.wait();
     } catch (...) {
-      if (!error) error = std::current_exception();
+      error = std::current_exception();
     }
   }
   // Mark done before running the callback so a re-entrant wait() cannot run it twice,
   // and drop what the callback captured as soon as it ran.
+  auto callback = finish();
+  if (error) std::rethrow_exception(error);  // what the callback would consume is not there
+  if (callback) callback();
+}
+
+void CommHandle::wait_for_work() {
+  c10d::Work& work = *state_->work;
+  const auto& deadline = state_->failure.deadline;
+  if (!deadline) {
+    work.wait();
+    return;
+  }
+  const auto left =
+      std::chrono::ceil<std::chrono::milliseconds>(*deadline - std::chrono::steady_clock::now());
+  try {
+    work.wait(std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception&) {
+    if (work.isCompleted()) throw;  // the backend's own failure
+  }
+  if (!work.isCompleted()) {
+    keep_in_flight(std::move(state_->work));
+    throw std::runtime_error("not completed by its deadline (the timeout, counted from its issue)");
+  }
+}
+
+std::function<void()> CommHandle::finish() {
   state_->done = true;
   state_->work.reset();
   state_->parts.clear();
-  state_->on_failure = nullptr;
-  auto callback = std::move(state_->on_complete);
-  state_->on_complete = nullptr;
-  if (error) std::rethrow_exception(error);  // what the callback would consume is not there
-  if (callback) callback();
+  state_->failure = {};
+  return std::exchange(state_->on_complete, nullptr);
+}
+
+void CommHandle::abandon() {
+  if (!state_ || state_->done) return;
+  if (state_->work && !state_->work->isCompleted()) keep_in_flight(std::move(state_->work));
+  for (auto& part : state_->parts) part.abandon();
+  finish();
 }
 
 bool CommHandle::pending() const { return state_ && !state_->done; }

@@ -84,9 +84,6 @@ LaunchEnv LaunchEnv::from_environment() {
   if (const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT"); restart && *restart) {
     env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", restart, 0, 1 << 30);
   }
-  if (const char* fd = std::getenv("HP_STORE_LISTEN_FD"); fd && *fd) {
-    env.store_listen_fd = static_cast<int>(parse_int("HP_STORE_LISTEN_FD", fd, 0, 1 << 30));
-  }
   return env;
 }
 

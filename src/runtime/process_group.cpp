@@ -1,6 +1,7 @@
 #include "hyperparallel/process_group.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -44,25 +45,33 @@ std::string device_key(int64_t rank) { return "hp/device/" + std::to_string(rank
 
 Group::Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
              c10::Device device, c10::intrusive_ptr<c10d::Backend> cpu_backend,
-             c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store)
+             c10::intrusive_ptr<c10d::Backend> cuda_backend, c10::intrusive_ptr<c10d::Store> store,
+             std::chrono::milliseconds timeout)
     : name_(std::move(name)),
       ranks_(std::move(ranks)),
       rank_(rank_in_group),
       device_(device),
       cpu_backend_(std::move(cpu_backend)),
       cuda_backend_(std::move(cuda_backend)),
-      store_(std::move(store)) {}
+      store_(std::move(store)),
+      timeout_(timeout) {}
 
 Group::~Group() = default;
 
-std::function<std::string(const std::string&)> Group::on_failure(std::string operation) const {
+CommFailure Group::on_failure(std::string operation, const c10d::Backend& backend) const {
   const int64_t number = ++collectives_issued_;
-  return [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
-          operation = std::move(operation)](const std::string& error) {
+  CommFailure failure;
+  failure.explain = [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
+                     operation = std::move(operation)](const std::string& error) {
     return detail::explain_failed_collective(
         store, "hp/" + name, ranks, rank,
         operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
   };
+  // NCCL's wait with a timeout would block the host (and has a watchdog of its own).
+  if (backend.getBackendName() == "gloo") {
+    failure.deadline = std::chrono::steady_clock::now() + timeout_;
+  }
+  return failure;
 }
 
 void Group::shut_down() {
@@ -131,6 +140,11 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   // One deadline for the whole start-up: reaching the store and every rank arriving.
   const auto deadline = detail::Deadline::after(timeout);
   detail::StoreConnection connection = detail::connect_store(env, deadline);
+  // Each World of a process keeps its keys apart: a launcher's store outlives the Worlds
+  // that use it, and every rank makes its Worlds in the same order.
+  static std::atomic<int64_t> worlds_made{0};
+  connection.store = c10::make_intrusive<c10d::PrefixStore>(
+      "hp/world_" + std::to_string(worlds_made++), connection.store);
   std::shared_ptr<World> world(new World(env.rank, env.world_size, connection.local_address,
                                          connection.store, timeout, own_device(env),
                                          options.gloo_on_gpu));
@@ -230,7 +244,7 @@ GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, i
   }
   // Not make_shared: the constructor is World's alone.
   return groups_[name] = GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
-                                            std::move(cpu), std::move(cuda), store_));
+                                            std::move(cpu), std::move(cuda), store_, timeout_));
 }
 
 std::shared_ptr<World> default_world() {

@@ -16,8 +16,10 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -47,8 +49,15 @@ constexpr milliseconds kGrace{2000};
 constexpr milliseconds kLinger{2000};
 
 // How long a rank whose collective failed waits for the group's other members to say
-// theirs failed too, before naming those that did not.
+// theirs failed too, before naming those that did not; and the extra time its store calls
+// may take before the store counts as lost.
 constexpr milliseconds kReportWindow{2000};
+constexpr milliseconds kReportGrace{1000};
+
+// Who hosts the store, for messages: hp-run and torchrun host it themselves, a job started
+// otherwise has it on rank 0.
+constexpr const char* kStoreHost =
+    "the process that hosts the store (hp-run, torchrun's agent, or else rank 0)";
 
 constexpr const char* kRaiseTimeout =
     "raise the timeout (HP_TIMEOUT_S=<seconds>, or WorldOptions::timeout) if ranks start slowly";
@@ -77,7 +86,10 @@ std::string ranks_text(const std::vector<int64_t>& ranks) {
 // A list of ranks as store bytes ("1,5,7") and back.
 std::vector<uint8_t> encode_ranks(const std::vector<int64_t>& ranks) {
   std::string text;
-  for (int64_t r : ranks) text += (text.empty() ? "" : ",") + std::to_string(r);
+  for (int64_t r : ranks) {
+    if (!text.empty()) text += ',';
+    text += std::to_string(r);
+  }
   return {text.begin(), text.end()};
 }
 
@@ -97,6 +109,53 @@ std::string without_backtrace(const std::exception& error) {
     return c10_error->what_without_backtrace();
   }
   return error.what();
+}
+
+// Ranks started with settings that do not fit together (WORLD_SIZE, RANK): reported as
+// such, not as ranks missing or a store lost.
+struct LaunchMismatch : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// What a rank stores on arriving: the size of the group it expects and a number of this
+// arrival's own, which tells two processes with the same RANK apart.
+std::string arrival_record(size_t group_size) {
+  std::random_device random;
+  const uint64_t nonce = (static_cast<uint64_t>(random()) << 32) ^ random() ^ getpid();
+  return std::to_string(group_size) + " " + std::to_string(nonce);
+}
+
+size_t group_size_of(const std::vector<uint8_t>& record) {
+  return std::stoull(std::string(record.begin(), record.end()));
+}
+
+// Throws LaunchMismatch when a rank of `ranks` whose arrival is in `records` (by position;
+// empty: not arrived) expects a group of another size than this rank does.
+void check_group_sizes(const std::vector<std::vector<uint8_t>>& records,
+                       const std::vector<int64_t>& ranks, int64_t rank,
+                       const std::string& operation) {
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i].empty() || group_size_of(records[i]) == ranks.size()) continue;
+    throw LaunchMismatch(operation + ": rank " + std::to_string(ranks[i]) + " expects a group of " +
+                         std::to_string(group_size_of(records[i])) + " ranks, this rank (" +
+                         std::to_string(rank) + ") one of " + std::to_string(ranks.size()) +
+                         ": start every rank with the same WORLD_SIZE");
+  }
+}
+
+// The first failed collective this process reported on the group `key_prefix` of `store`,
+// recording `what` when it is the first. The entry holds the store, so that no other
+// group's store can take its address.
+std::string first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
+                             const std::string& key_prefix, const std::string& what) {
+  using Key = std::pair<const c10d::Store*, std::string>;
+  static auto* const mutex = new std::mutex;
+  static auto* const firsts =
+      new std::map<Key, std::pair<c10::intrusive_ptr<c10d::Store>, std::string>>;
+  std::lock_guard lock(*mutex);
+  const auto entry =
+      firsts->try_emplace(Key{store.get(), key_prefix}, std::make_pair(store, what)).first;
+  return entry->second.second;
 }
 
 // Runs `work` on a thread of its own and returns its result, or throws
@@ -256,23 +315,8 @@ std::string unreachable_store(const LaunchEnv& env, const std::string& address,
 StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline) {
   const std::string address = resolve_master(env, deadline);
   const bool host = env.rank == 0 && !env.agent_store;
-  // A socket the launcher bound to the port is ours; any other port may be someone's.
-  const bool own_socket = host && env.store_listen_fd.has_value();
-  if (host && !own_socket) check_port_free(env);
+  if (host) check_port_free(env);
   c10d::TCPStoreOptions options;
-  if (own_socket) {
-    // The store closes the descriptor it is given: it gets a duplicate, so that a later
-    // World of this process hosts its store on the same socket.
-    const int inherited = *env.store_listen_fd;
-    const int duplicate = fcntl(inherited, F_DUPFD_CLOEXEC, 0);
-    if (duplicate < 0) {
-      throw std::invalid_argument("HP_STORE_LISTEN_FD=" + std::to_string(inherited) +
-                                  " is not an open descriptor of this process (hp-run sets it "
-                                  "for rank 0 only; unset it when starting ranks otherwise)");
-    }
-    fcntl(inherited, F_SETFD, FD_CLOEXEC);  // not passed on to this rank's own children
-    options.masterListenFd = duplicate;
-  }
   options.port = static_cast<uint16_t>(env.master_port);
   options.isServer = host;
   options.numWorkers = static_cast<size_t>(env.world_size);
@@ -323,6 +367,8 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   // the store and its exit would leave them only "connection lost".
   const std::string verdict_key = key_prefix + "/verdict";
   const std::string taken_prefix = key_prefix + "/verdict_taken/";
+  // Marks ranks that two processes arrived as, for the others' message.
+  const std::string duplicate_prefix = key_prefix + "/duplicate/";
   const bool decider = rank == *std::min_element(ranks.begin(), ranks.end());
   const Clock::time_point until = deadline.at;
   // The ranks still missing when the deadline passed; empty: all arrived. Polled (every
@@ -332,7 +378,22 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
       until + kLinger + kGrace,
       [=]() -> std::vector<int64_t> {
         try {
-          store->set(own_key, std::vector<uint8_t>{1});
+          const std::string record = arrival_record(ranks.size());
+          const std::vector<uint8_t> mine(record.begin(), record.end());
+          if (store->compareSet(own_key, {}, mine) != mine) {
+            store->set(duplicate_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+            throw LaunchMismatch(operation + ": another process arrived as rank " +
+                                 std::to_string(rank) +
+                                 " before this one: start each process with a RANK of its own "
+                                 "(0 to WORLD_SIZE - 1)");
+          }
+          const auto arrived_records = [&] {
+            std::vector<std::vector<uint8_t>> records;
+            for (const std::string& key : keys) {
+              records.push_back(store->check({key}) ? store->get(key) : std::vector<uint8_t>{});
+            }
+            return records;
+          };
           std::optional<std::vector<int64_t>> verdict;
           for (milliseconds pause(10);; pause = std::min(2 * pause, milliseconds(200))) {
             if (!decider && store->check({verdict_key})) {
@@ -340,6 +401,7 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
               // Arrived after the decider gave up: nobody keeps the store up for it.
               if (std::count(verdict->begin(), verdict->end(), rank) > 0) return *verdict;
             } else if (store->check(keys)) {
+              check_group_sizes(store->multiGet(keys), ranks, rank, operation);
               return {};
             }
             if (Clock::now() >= until) break;
@@ -352,8 +414,10 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
           } else if (!decider && store->check({verdict_key})) {
             absent = decode_ranks(store->get(verdict_key));
           } else {
+            const std::vector<std::vector<uint8_t>> records = arrived_records();
+            check_group_sizes(records, ranks, rank, operation);
             for (size_t i = 0; i < keys.size(); ++i) {
-              if (!store->check({keys[i]})) absent.push_back(ranks[i]);
+              if (records[i].empty()) absent.push_back(ranks[i]);
             }
           }
           if (absent.empty()) return absent;
@@ -373,23 +437,41 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
             std::this_thread::sleep_for(milliseconds(20));
           }
           return absent;
+        } catch (const LaunchMismatch&) {
+          throw;
         } catch (const std::exception& error) {
           throw std::runtime_error(operation + ": lost the connection to the store (" +
-                                   without_backtrace(error) +
-                                   "); rank 0, which hosts it, has probably exited");
+                                   without_backtrace(error) + "): " + kStoreHost +
+                                   " has exited, or this machine is cut off from it");
         }
       },
       [&] {
         return operation + ": the store did not answer within " +
-               seconds_text(deadline.timeout + kLinger + kGrace) +
-               "; rank 0, which hosts it, is stopped or unreachable";
+               seconds_text(deadline.timeout + kLinger + kGrace) + ": " + kStoreHost +
+               " is stopped, or this machine is cut off from it";
       });
   if (missing.empty()) return;
-  throw std::runtime_error(operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
-                           ranks_text(missing) + " of " + std::to_string(ranks.size()) +
-                           " did not arrive. Start every rank with the same MASTER_ADDR, "
-                           "MASTER_PORT and WORLD_SIZE, or " +
-                           kRaiseTimeout);
+  std::vector<int64_t> duplicated;
+  try {
+    duplicated = finish_by<std::vector<int64_t>>(
+        Clock::now() + kReportGrace,
+        [=] {
+          std::vector<int64_t> found;
+          for (int64_t r : ranks) {
+            if (store->check({duplicate_prefix + std::to_string(r)})) found.push_back(r);
+          }
+          return found;
+        },
+        [] { return std::string("the store did not answer"); });
+  } catch (const std::exception&) {  // the missing ranks are the news; this is a detail
+  }
+  throw std::runtime_error(
+      operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
+      ranks_text(missing) + " of " + std::to_string(ranks.size()) + " did not arrive" +
+      (duplicated.empty() ? "" : " (and two processes arrived as " + ranks_text(duplicated) + ")") +
+      ". Start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and a RANK of "
+      "its own, or " +
+      kRaiseTimeout);
 }
 
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
@@ -401,28 +483,48 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
       ". The wait for other ranks is HP_TIMEOUT_S (or WorldOptions::timeout, the trainer's "
       "--timeout); a rank killed or crashed takes the others down at once";
   if (!store) return failed + advice;
+  // One fault, one report: after a group's first failed collective its others (a prefetch
+  // given up on while the error is handled) fail with it, without a report window each.
+  if (const std::string first = first_failure_of(store, key_prefix, what); first != what) {
+    return failed + "; after " + first + " failed (reported there)" + advice;
+  }
   // Every member's failure of this collective, keyed by the collective's description.
   const std::string report_prefix = key_prefix + "/failed/" + what + "/";
   std::vector<std::string> keys;
   for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
+  // The store calls are bounded too: a stopped store host, or a network cut between this
+  // machine and it, leaves a store request without an answer for as long as TCP retries.
   std::vector<int64_t> absent;
+  bool late = false;
   try {
-    store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
-    const Clock::time_point until = Clock::now() + kReportWindow;
-    while (!store->check(keys) && Clock::now() < until) {
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (!store->check({keys[i]})) absent.push_back(ranks[i]);
-    }
+    absent = finish_by<std::vector<int64_t>>(
+        Clock::now() + kReportWindow + kReportGrace,
+        [=] {
+          store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+          const Clock::time_point until = Clock::now() + kReportWindow;
+          while (!store->check(keys) && Clock::now() < until) {
+            std::this_thread::sleep_for(milliseconds(20));
+          }
+          std::vector<int64_t> missing;
+          for (size_t i = 0; i < keys.size(); ++i) {
+            if (!store->check({keys[i]})) missing.push_back(ranks[i]);
+          }
+          return missing;
+        },
+        [&] {
+          late = true;
+          return "the store did not answer within " + seconds_text(kReportWindow + kReportGrace) +
+                 ": " + kStoreHost + " is stopped, or this machine is cut off from it";
+        });
   } catch (const std::exception& store_error) {
+    if (late) return failed + "; " + store_error.what() + advice;
     return failed + "; the store is unreachable too (" + without_backtrace(store_error) +
-           "): rank 0, which hosts it, has probably exited" + advice;
+           "): " + kStoreHost + " has exited, or this machine is cut off from it" + advice;
   }
   if (absent.empty()) return failed + "; every rank of the group saw it fail" + advice;
-  return failed + "; " + ranks_text(absent) + " of the group did not report it within " +
+  return failed + "; world " + ranks_text(absent) + " did not report the same failure within " +
          seconds_text(kReportWindow) +
-         ": stopped, crashed, or not at this collective (hung, or still computing)" + advice;
+         ": stopped, crashed, or blocked elsewhere (hung, or still computing)" + advice;
 }
 
 }  // namespace hp::detail

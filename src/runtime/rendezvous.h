@@ -55,6 +55,8 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
 // `rank`, one of `ranks` (global ranks): reports the failure in the store under
 // `key_prefix`, waits up to 2 s for the other members to report theirs, and names those
 // that did not (stopped, crashed, or not at this collective: hung, or still computing).
+// Its store calls are bounded (a stopped store host or a cut network is named as such).
+// Only a group's first failed collective is reported: the later ones name it at once.
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
                                       const std::string& key_prefix,
                                       const std::vector<int64_t>& ranks, int64_t rank,
