@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Network namespaces for a bandwidth-limited multi-rank run on one machine: rank K runs
 # in namespace hpbench<K> with address 10.231.0.<K+1> on a veth joined to a bridge, and
-# its egress is shaped by a token bucket (tbf) to RATE, like a NIC of that speed.
+# its egress is shaped by a token bucket (tbf) to RATE, like a NIC of that speed. The
+# bridge has 10.231.0.254 on this machine's side, where hp-run hosts the job's store.
 #
 #   bench/netns.sh up N RATE      create N namespaces (e.g. RATE=300mbit); needs root
 #   bench/netns.sh down N         remove them
 #   bench/netns.sh exec CMD...    run CMD in namespace hpbench$LOCAL_RANK (hp-run sets it)
 #
-# Launch: hp-run -n N --master-addr 10.231.0.1 --master-port P -- bench/netns.sh exec PROG
-# (an explicit port: hp-run cannot probe a free port on an address of another namespace)
+# Launch: hp-run -n N --master-addr 10.231.0.254 -- bench/netns.sh exec PROG
 set -euo pipefail
 
 ns() { echo "hpbench$1"; }
@@ -26,6 +26,7 @@ case "${1:-}" in
     "$0" down "$n" 2>/dev/null || true
     ip link add hpbbr0 type bridge
     ip link set hpbbr0 up
+    ip addr add 10.231.0.254/24 dev hpbbr0
     for ((k = 0; k < n; k++)); do
       ip netns add "$(ns "$k")"
       ip link add "hpbv$k" type veth peer name eth0 netns "$(ns "$k")"
