@@ -1,11 +1,11 @@
 # make demo   the main job (builds first)
 # make test   the whole test suite (builds first)
 # make bench  the benchmarks; rewrites docs/performance.md (builds first)
-# All three set up everything themselves (tools/in_env.sh): an installed LibTorch >= 2.6,
-# else a project venv with PyTorch from PyPI (.venv, tools/setup_venv.sh), else, where PyPI
-# is out of reach, a Debian 13 build root (tools/buildroot.sh). README: "Choosing the LibTorch".
+# All three set up everything themselves (scripts/in_env.sh): an installed LibTorch >= 2.6,
+# else a project venv with PyTorch from PyPI (.venv, scripts/setup_venv.sh), else, where PyPI
+# is out of reach, a Debian 13 build root (scripts/buildroot.sh). README: "Choosing the LibTorch".
 BUILD ?= build
-RUN := tools/in_env.sh
+RUN := scripts/in_env.sh
 JOBS ?= $(shell nproc)
 
 .PHONY: all build demo test bench format clean

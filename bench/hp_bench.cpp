@@ -60,6 +60,7 @@
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"

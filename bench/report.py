@@ -214,7 +214,7 @@ def main():
     # ------------------------------------------------------------------ header
     rep.section(None)
     p(
-        "Written by `make bench`, which runs `tools/in_env.sh bench/run.sh build`: every "
+        "Written by `make bench`, which runs `scripts/in_env.sh bench/run.sh build`: every "
         "benchmark below, then `bench/report.py`, which rewrites this file from the results "
         "(`build/bench/results/SECTION.jsonl`; all output in `log.txt`). Re-running it "
         "replaces every number here. "

@@ -2,8 +2,8 @@
 # make bench: every benchmark of docs/performance.md, then rewrites that file from the
 # results (bench/report.py) and prints its tables.
 #
-#   tools/in_env.sh bench/run.sh [BUILD_DIR]      (what `make bench` runs)
-#   tools/in_env.sh bench/run.sh BUILD_DIR --only memory,beyond
+#   scripts/in_env.sh bench/run.sh [BUILD_DIR]      (what `make bench` runs)
+#   scripts/in_env.sh bench/run.sh BUILD_DIR --only memory,beyond
 #
 # Sections: steps (step times), memory (peak RSS on 1, 2, 4 ranks against the ideal
 # ZeRO-3 model), beyond (a model bigger than one rank's memory limit), overhead
@@ -40,7 +40,7 @@ for s in ${SECTIONS//,/ }; do
   [[ ",$ALL_SECTIONS," == *",$s,"* ]] ||
     { echo "bench/run.sh: unknown section '$s' (sections: $ALL_SECTIONS)" >&2; exit 2; }
 done
-[ "$SECTIONS" = "$ALL_SECTIONS" ] || COMMAND="tools/in_env.sh bench/run.sh $BUILD --only $SECTIONS"
+[ "$SECTIONS" = "$ALL_SECTIONS" ] || COMMAND="scripts/in_env.sh bench/run.sh $BUILD --only $SECTIONS"
 # The report names the command; settings from the environment are part of it.
 for v in BENCH_STEPS BENCH_WARMUP BENCH_NETNS BENCH_RATE BENCH_NETNS_STEPS BENCH_MEMORY_SEQ \
   BENCH_BEYOND_LIMIT_MIB BENCH_GLIBC_TUNABLES; do

@@ -37,6 +37,7 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/deferred_init.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/launch_env.h"
 #include "hyperparallel/parallel_slice.h"

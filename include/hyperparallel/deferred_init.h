@@ -1,6 +1,7 @@
 #pragma once
-// Deferred initialization: construct a model without allocating its tensors, then give
-// each parameter and buffer its value one tensor at a time.
+// Deferred initialization: construct a model without allocating its tensors; then
+// materialize() (materialize.h) gives each parameter and buffer its value one tensor at
+// a time.
 //
 //   torch::manual_seed(0);
 //   auto model = hp::deferred_init([&] { return hp::Sharded<Transformer>(config); });
@@ -35,9 +36,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include <functional>
 #include <memory>
-#include <string>
 #include <utility>
 
 namespace hp {
@@ -70,18 +69,5 @@ auto deferred_init(Fn&& construct) {
 
 // Whether `tensor` was made by deferred_init and has not been materialized yet.
 bool is_deferred(const at::Tensor& tensor);
-
-// Gives every parameter and buffer of `module` (recursively) that is still deferred its
-// value, by replaying the recorded construction: the module's own default init, bit for
-// bit. A parameter managed by fully_shard receives this rank's part in its shard (no
-// communication); any other tensor gets the whole value in place (same variable, so
-// references to it stay valid). Tensors already real are left alone.
-void materialize(torch::nn::Module& module);
-
-// The same, but each deferred parameter, in named_parameters() order, is allocated whole
-// on its device, passed to `init` (under NoGradGuard) to be filled, delivered and freed
-// before the next one. Buffers still come from the replay.
-void materialize(torch::nn::Module& module,
-                 std::function<void(const std::string& name, at::Tensor& whole)> init);
 
 }  // namespace hp

@@ -5,7 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "../runtime/tensor_storage.h"
+#include "../distributed/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp::detail {

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "../runtime/deferred_init_engine.h"
-#include "../runtime/tensor_storage.h"
+#include "../deferred_init/deferred_init_engine.h"
+#include "../distributed/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp::detail {

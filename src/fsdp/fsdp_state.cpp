@@ -8,7 +8,7 @@
 
 #include "autograd_hooks.h"
 #include "hyperparallel/trace.h"
-#include "recompute_scope.h"
+#include "../recompute/recompute_scope.h"
 
 namespace hp::detail {
 namespace {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "hyperparallel/state_dict.h"
-#include "model_params.h"
+#include "../materialize/model_params.h"
 
 namespace hp::detail {
 

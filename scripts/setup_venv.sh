@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Creates the project venv (HP_VENV, default .venv in the checkout) holding the PyTorch
-# pinned in tools/requirements.txt (PyPI's CUDA build) and the Python tools' packages.
-# Idempotent: done once, and again only when tools/requirements.txt changes. Exits
+# pinned in scripts/requirements.txt (PyPI's CUDA build) and the Python tools' packages.
+# Idempotent: done once, and again only when scripts/requirements.txt changes. Exits
 # non-zero, saying why, when the packages cannot be installed (PyPI out of reach).
 set -euo pipefail
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HP_VENV:-$checkout/.venv}
-requirements=$checkout/tools/requirements.txt
+requirements=$checkout/scripts/requirements.txt
 stamp=$venv/.hyperparallel-requirements
 
 [ -f "$stamp" ] && cmp -s "$stamp" "$requirements" && exit 0
@@ -17,5 +17,5 @@ echo "setup_venv: installing $(grep -E '^torch==' "$requirements") (CUDA build) 
 rm -f "$stamp"
 "$venv/bin/python3" -m pip install --disable-pip-version-check --no-input -q --retries 2 \
   --timeout 30 -r "$requirements" ||
-  { echo "setup_venv: pip could not install tools/requirements.txt into $venv" >&2; exit 1; }
+  { echo "setup_venv: pip could not install scripts/requirements.txt into $venv" >&2; exit 1; }
 cp "$requirements" "$stamp"

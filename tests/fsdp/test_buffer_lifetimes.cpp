@@ -1,8 +1,8 @@
-// The two bug fixes of the mission's seeds, as tested behaviour.
-//  - Seed 000: with a shard group of size 1 an async unshard (prefetch) records a pending
-//    unshard and materialises nothing until wait(); A/A runs are bitwise equal.
-//  - Seed 002: the library frees only reduce-scatter inputs it allocated; when the input
-//    aliases the caller's gradient it is left alone.
+// When buffers come to life and when they are freed:
+//  - SizeOneShardGroup: with a shard group of size 1 an async unshard (prefetch) records a
+//    pending unshard and materialises nothing until wait(); A/A runs are bitwise equal.
+//  - ReduceScatterInputs: the library frees only reduce-scatter inputs it allocated; when
+//    the input aliases the caller's gradient it is left alone.
 #include <torch/torch.h>
 
 #include "distributed_test.h"
@@ -23,7 +23,7 @@ DeviceMesh replicate_only_mesh() {
                     {{"dp_replicate", testing::world()->size()}, {"dp_shard", 1}});
 }
 
-HP_DIST_TEST(Seed000, SizeOneAsyncUnshardDefersMaterialisation, 2) {
+HP_DIST_TEST(SizeOneShardGroup, SizeOneAsyncUnshardDefersMaterialisation, 2) {
   torch::manual_seed(1);
   Sharded<MlpBlock> block(4, 6);
   FullyShardOptions options;
@@ -101,7 +101,7 @@ std::vector<std::pair<float, float>> train_with_size_one_prefetch(int steps) {
   return trace;
 }
 
-HP_DIST_TEST(Seed000, AARunsWithSizeOneBackwardPrefetchAreBitwiseEqual, 2) {
+HP_DIST_TEST(SizeOneShardGroup, AARunsWithSizeOneBackwardPrefetchAreBitwiseEqual, 2) {
   auto first = train_with_size_one_prefetch(50);
   auto second = train_with_size_one_prefetch(50);
   ASSERT_EQ(first.size(), second.size());
@@ -122,7 +122,7 @@ struct ReduceCase {
   bool expect_owned;  // whether the reduce-scatter input is the library's own buffer
 };
 
-HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
+HP_DIST_TEST(ReduceScatterInputs, ReduceFreesOnlyBuffersItAllocated, 2) {
   auto world = testing::world();
   const std::vector<ReduceCase> cases = {
       {{8, 3}, at::kFloat, false},    // aligned, same dtype: a view of the caller's grad
@@ -180,7 +180,7 @@ HP_DIST_TEST(Seed002, ReduceFreesOnlyBuffersItAllocated, 2) {
 
 // The seed's configuration end to end: fp32 parameters with reduce_dtype=fp32 and
 // apply_grad_on_fp32_main_grad, comm_fusion off. Gradients stay right across steps.
-HP_DIST_TEST(Seed002, SameDtypeReduceTrainsCorrectly, 2) {
+HP_DIST_TEST(ReduceScatterInputs, SameDtypeReduceTrainsCorrectly, 2) {
   torch::manual_seed(42);
   Mlp reference(5, 8, 9, 3, 2);
   torch::manual_seed(42);

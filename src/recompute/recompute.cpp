@@ -10,8 +10,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "../fsdp/recompute_scope.h"
-#include "../runtime/rng_snapshot.h"
+#include "recompute_scope.h"
+#include "../deferred_init/rng_snapshot.h"
 #include "saved_tensor_hooks.h"
 
 namespace hp {

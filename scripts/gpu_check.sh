@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with a CUDA GPU, builds natively against an installed CUDA
-# LibTorch (tools/in_env.sh: CMAKE_PREFIX_PATH, the system, python3's torch) into
+# LibTorch (scripts/in_env.sh: CMAKE_PREFIX_PATH, the system, python3's torch) into
 # build-gpu/ and runs what needs a GPU. One GPU is enough; NCCL needs a GPU per rank, so
 # multi-rank NCCL stays untested on one (docs/gpu.md). Prints each step's time; exits
-# nonzero at the first failure. Usage: tools/gpu_check.sh [BUILD_DIR]
+# nonzero at the first failure. Usage: scripts/gpu_check.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
-run=tools/in_env.sh
+run=scripts/in_env.sh
 began=$(date +%s)
 step() { echo "== $* ($(($(date +%s) - began)) s)"; }
 
@@ -23,7 +23,7 @@ $run cmake --build "$build" -j "$(nproc)"
 $run python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
       "devices", torch.cuda.device_count())' || true
 
-step "fully_shard on one GPU against the CPU reference (tests/test_cuda.cpp)"
+step "fully_shard on one GPU against the CPU reference (tests/fsdp/test_cuda.cpp)"
 out=$(mktemp)
 $run ctest --test-dir "$build" -R '^Cuda\.' --output-on-failure --no-tests=error -V | tee "$out"
 if grep -q "SKIPPED" "$out"; then

@@ -1,5 +1,5 @@
 // fully_shard on one CUDA rank against the plain model on the CPU, on the global batch.
-// Skipped where this process sees no CUDA device; tools/gpu_check.sh runs them on a GPU
+// Skipped where this process sees no CUDA device; scripts/gpu_check.sh runs them on a GPU
 // machine. The module is built on the CPU: fully_shard moves it to the World's device
 // (cuda:LOCAL_RANK), as FSDP2 moves module states to the mesh's device.
 #include <torch/torch.h>

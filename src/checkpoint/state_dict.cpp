@@ -11,10 +11,10 @@
 
 #include "checkpoint_sink.h"
 #include "full_tensor_source.h"
-#include "model_params.h"
+#include "../materialize/model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
-#include "whole_value.h"
+#include "../materialize/whole_value.h"
 
 namespace hp {
 namespace {

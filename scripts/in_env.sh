@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs a command where LibTorch >= 2.6 is available, choosing in this order:
 #  1. an installed LibTorch: CMAKE_PREFIX_PATH, the system's CMake packages, python3's torch;
-#  2. the project venv (tools/setup_venv.sh, created here the first time): the PyTorch
-#     pinned in tools/requirements.txt, PyPI's CUDA build, built against natively;
-#  3. where PyPI cannot be reached, the Debian 13 build root (tools/buildroot.sh, LibTorch 2.6).
+#  2. the project venv (scripts/setup_venv.sh, created here the first time): the PyTorch
+#     pinned in scripts/requirements.txt, PyPI's CUDA build, built against natively;
+#  3. where PyPI cannot be reached, the Debian 13 build root (scripts/buildroot.sh, LibTorch 2.6).
 # HP_NATIVE=1 allows only 1 and 2, HP_NATIVE=0 only 3. Natively, the Debian packages the
-# build needs besides LibTorch are installed first (tools/host_packages.sh).
+# build needs besides LibTorch are installed first (scripts/host_packages.sh).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${HP_VENV:-$(dirname "$here")/.venv}

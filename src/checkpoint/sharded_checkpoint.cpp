@@ -17,11 +17,11 @@
 #include <regex>
 #include <stdexcept>
 
-#include "../runtime/durable_files.h"
+#include "durable_files.h"
 #include "checkpoint_index.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
-#include "model_params.h"
+#include "../materialize/model_params.h"
 #include "safetensors_file.h"
 #include "state_io.h"
 

@@ -11,8 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "../runtime/deferred_init_engine.h"
+#include "../deferred_init/deferred_init_engine.h"
 #include "hyperparallel/deferred_init.h"
+#include "hyperparallel/materialize.h"
 #include "model_params.h"
 #include "whole_value.h"
 

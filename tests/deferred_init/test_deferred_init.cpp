@@ -19,6 +19,7 @@
 #include "error_of.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/deferred_init.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/state_dict.h"
 #include "models/mlp.h"
 #include "models/transformer.h"

@@ -2,9 +2,9 @@
 # Debian 13 (trixie) build root for hosts whose own LibTorch is too old
 # (Debian 12 ships 1.13, whose Gloo lacks reduce-scatter).
 #
-#   tools/buildroot.sh ensure        create + install packages (idempotent)
-#   tools/buildroot.sh run CMD...    run CMD inside, in the current directory
-#   tools/buildroot.sh umount        remove the bind mounts
+#   scripts/buildroot.sh ensure        create + install packages (idempotent)
+#   scripts/buildroot.sh run CMD...    run CMD inside, in the current directory
+#   scripts/buildroot.sh umount        remove the bind mounts
 #
 # HP_BUILDROOT chooses where the root lives (default /var/cache/hyperparallel/trixie).
 # The checkout is bind-mounted at the same absolute path, so paths in build trees

@@ -18,7 +18,7 @@
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
-#include "model_params.h"
+#include "../materialize/model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
 

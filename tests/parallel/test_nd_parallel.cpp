@@ -85,7 +85,7 @@ std::vector<StepResult> train(int steps, int reference_steps) {
   return results;
 }
 
-HP_DIST_TEST_WITH_TIMEOUT(NdParallel, Seed000TopologyTp2Cp4ShardSize1IsBitwiseReproducible, 300,
+HP_DIST_TEST_WITH_TIMEOUT(NdParallel, Tp2Cp4ShardSize1IsBitwiseReproducible, 300,
                           8) {
   const auto first = train(200, /*reference_steps=*/1);
   const auto second = train(200, /*reference_steps=*/0);

@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "../runtime/deferred_init_engine.h"
+#include "../deferred_init/deferred_init_engine.h"
 #include "hyperparallel/deferred_init.h"
 
 namespace hp::detail {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the build tree into a scratch prefix, builds tests/consumer against it with
+# Installs the build tree into a scratch prefix, builds tests/package/consumer against it with
 # find_package(HyperParallel), and runs the result under hp-run.
 set -euo pipefail
 build_dir=$1

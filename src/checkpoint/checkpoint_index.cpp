@@ -12,7 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "../runtime/durable_files.h"
+#include "durable_files.h"
 #include "safetensors_file.h"
 
 namespace hp::detail {
