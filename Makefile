@@ -3,24 +3,28 @@
 # make bench  the benchmarks; rewrites docs/performance.md (builds first)
 # All three set up everything themselves (scripts/in_env.sh): an installed LibTorch >= 2.6,
 # else a project venv with PyTorch from PyPI (.venv, scripts/setup_venv.sh), else, where PyPI
-# is out of reach, a Debian 13 build root (scripts/buildroot.sh). README: "Choosing the LibTorch".
+# is out of reach, a Debian 13 build root (scripts/buildroot.sh). docs/building.md: "Choosing the LibTorch".
 BUILD ?= build
 RUN := scripts/in_env.sh
 JOBS ?= $(shell nproc)
 
-.PHONY: all build demo test bench format clean
+.PHONY: all configure build demo test bench format clean
 
 all: build
 
-build:
+configure:
 	$(RUN) cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+
+build: configure
 	$(RUN) cmake --build $(BUILD) -j $(JOBS)
 
 # The demo's corpus: this repository's own docs and sources (validation: each file's end).
 DEMO_DATA := --data README.md --data docs --data src --data include --data models \
              --data examples --data tests
 
-demo: build
+# Builds only what it runs: the library, hp-run and the trainer.
+demo: configure
+	$(RUN) cmake --build $(BUILD) -j $(JOBS) --target hp-run train_decoder
 	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_DATA) \
 	    --out $(BUILD)/demo $(DEMO_ARGS)
 

@@ -60,8 +60,8 @@
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
-#include "hyperparallel/materialize.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/trace.h"
@@ -593,6 +593,9 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);  // ranks share the machine's cores
   try {
     return run(parse_args(argc, argv));
+  } catch (const c10::Error& error) {  // one line, not LibTorch's C++ backtrace
+    std::fprintf(stderr, "hp_bench: error: %s\n", error.what_without_backtrace());
+    return 1;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "hp_bench: error: %s\n", error.what());
     return 1;

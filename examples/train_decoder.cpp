@@ -37,9 +37,9 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/deferred_init.h"
-#include "hyperparallel/materialize.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/launch_env.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/sharded_checkpoint.h"
@@ -298,6 +298,8 @@ int train(const TrainOptions& o, const std::string& resolved) {
   std::optional<hp::trainer::ParallelLayout> parallel;
   try {
     parallel.emplace(hp::trainer::make_parallel_layout(world, o));
+  } catch (const c10::ValueError& error) {  // the mesh refused the layout
+    throw UsageError(error.what_without_backtrace());
   } catch (const std::invalid_argument& error) {
     throw UsageError(error.what());
   }

@@ -37,7 +37,7 @@ class CommHandle {
   CommHandle() = default;
 
   // Real communication; `on_complete` (optional) runs once after the work finished. When
-  // the work fails or misses `failure.deadline`, wait() throws std::runtime_error with the
+  // the work fails or misses `failure.deadline`, wait() throws c10::DistBackendError with the
   // message `failure.explain` makes.
   static CommHandle from_work(c10::intrusive_ptr<c10d::Work> work,
                               std::function<void()> on_complete = {}, CommFailure failure = {});

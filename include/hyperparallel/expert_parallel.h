@@ -68,7 +68,7 @@ struct MoEOptions {
   std::optional<double> capacity_factor;  // > 0; unset: no capacity, nothing dropped
   double load_balance_coef = 0;           // >= 0; 0: no auxiliary loss
 
-  // Throws std::invalid_argument naming the bad field.
+  // Throws c10::ValueError naming the bad field.
   void validate() const;
 };
 

@@ -19,14 +19,13 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
-#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
 
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/comm_handle.h"
+#include "hyperparallel/detail/sharded_forward.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/placement.h"
 #include "hyperparallel/policy.h"
@@ -35,7 +34,8 @@ namespace hp {
 
 namespace detail {
 class FSDPState;
-}
+struct FSDPModuleAccess;
+}  // namespace detail
 
 struct FullyShardOptions {
   // Unset: a 1-D mesh over all ranks of the default world (from the environment).
@@ -76,8 +76,6 @@ struct ShardedParamInfo {
 // module state.
 class FSDPModule {
  public:
-  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state);
-
   // All-gathers the parameters (now, or asynchronously: wait() on the handle before
   // using them). A second call while unsharded or pending returns the same state.
   CommHandle unshard(bool async_op = false);
@@ -89,12 +87,16 @@ class FSDPModule {
   void set_requires_all_reduce(bool value, bool recurse = true);
   void set_reshard_after_forward(bool value, bool recurse = true);
   void set_reshard_after_backward(bool value, bool recurse = true);
+  // Whether this backward is the last before the optimizer step (default true): false
+  // leaves the gradient reductions in flight, finished by the next forward or zero_grad.
+  // On the root only, like set_implicit_prefetch: on another module, or on one that
+  // turns out not to be the root at the first forward, it is an error (c10::Error).
   void set_is_last_backward(bool value);
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
   // Modules without explicit prefetch lists prefetch implicitly (default on): in
   // forward the module that followed them in the previous iteration, in backward the
-  // one that preceded them in this iteration's forward. Set on the root.
+  // one that preceded them in this iteration's forward. On the root only.
   void set_implicit_prefetch(bool value);
   // ReduceOp::kAvg (default: divide by the data-parallel size) or ReduceOp::kSum.
   void set_reduce_op_type(ReduceOp op);
@@ -113,94 +115,11 @@ class FSDPModule {
   // apply_grad_on_fp32_main_grad: the fp32 gradient accumulator of a parameter.
   at::Tensor main_grad(const std::string& name) const;
 
-  bool operator==(const FSDPModule& other) const { return state_ == other.state_; }
-
  private:
+  friend struct detail::FSDPModuleAccess;  // fully_shard() makes them
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state);
   std::shared_ptr<detail::FSDPState> state_;
 };
-
-namespace detail {
-
-// The fully_shard forward hooks around one call of a module; inactive (and free) for a
-// module that was not fully_shard-ed. If forward throws after before(), the destructor
-// reshards what the call gathered, so the next forward starts afresh.
-class ForwardHooks {
- public:
-  explicit ForwardHooks(const torch::nn::Module* module);
-  ~ForwardHooks();
-  ForwardHooks(const ForwardHooks&) = delete;
-  ForwardHooks& operator=(const ForwardHooks&) = delete;
-
-  bool active() const { return state_ != nullptr; }
-  // Pre-forward: unshards (or waits for the prefetch), casts the inputs; undoes itself
-  // if it throws.
-  void before(const std::vector<at::Tensor*>& inputs);
-  // Post-forward: reshards as configured, casts the outputs and hooks them for backward.
-  void after(const std::vector<at::Tensor*>& outputs);
-
- private:
-  std::shared_ptr<FSDPState> state_;
-  bool forward_running_ = false;
-};
-
-// The FSDP interface of a module; throws std::logic_error if it was not fully_shard-ed.
-FSDPModule fsdp_module_of(const torch::nn::Module* module);
-
-template <typename T>
-struct is_vector : std::false_type {};
-template <typename T, typename A>
-struct is_vector<std::vector<T, A>> : std::true_type {};
-template <typename T>
-struct is_tuple : std::false_type {};
-template <typename... T>
-struct is_tuple<std::tuple<T...>> : std::true_type {};
-template <typename A, typename B>
-struct is_tuple<std::pair<A, B>> : std::true_type {};
-template <typename T>
-struct is_optional : std::false_type {};
-template <typename T>
-struct is_optional<std::optional<T>> : std::true_type {};
-
-// Whether every tensor inside a T is reachable by collect_tensors: tensors, the
-// containers it walks, and values that hold no tensor (numbers, enums, strings).
-template <typename T>
-constexpr bool tensors_are_visible();
-template <typename T>
-struct elements_are_visible : std::false_type {};
-template <typename... E>
-struct elements_are_visible<std::tuple<E...>>
-    : std::bool_constant<(tensors_are_visible<std::remove_cvref_t<E>>() && ...)> {};
-template <typename A, typename B>
-struct elements_are_visible<std::pair<A, B>>
-    : std::bool_constant<tensors_are_visible<std::remove_cvref_t<A>>() &&
-                         tensors_are_visible<std::remove_cvref_t<B>>()> {};
-template <typename T>
-constexpr bool tensors_are_visible() {
-  if constexpr (std::is_same_v<T, at::Tensor> || std::is_arithmetic_v<T> || std::is_enum_v<T> ||
-                std::is_same_v<T, std::string>) {
-    return true;
-  } else if constexpr (is_vector<T>::value || is_optional<T>::value) {
-    return tensors_are_visible<typename T::value_type>();
-  } else {
-    return elements_are_visible<T>::value;
-  }
-}
-
-// Collects pointers to the tensors inside forward arguments / results.
-template <typename T>
-void collect_tensors(T& value, std::vector<at::Tensor*>& out) {
-  if constexpr (std::is_same_v<T, at::Tensor>) {
-    out.push_back(&value);
-  } else if constexpr (is_vector<T>::value) {
-    for (auto& element : value) collect_tensors(element, out);
-  } else if constexpr (is_tuple<T>::value) {
-    std::apply([&](auto&... element) { (collect_tensors(element, out), ...); }, value);
-  } else if constexpr (is_optional<T>::value) {
-    if (value) collect_tensors(*value, out);
-  }
-}
-
-}  // namespace detail
 
 // A module holder whose calls run fully_shard's forward hooks (once fully_shard-ed;
 // before that it behaves exactly like Holder).

@@ -25,7 +25,7 @@ struct LaunchEnv {
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK (optional, defaults to RANK), MASTER_ADDR,
   // MASTER_PORT and the optional HP_TIMEOUT_S, TORCHELASTIC_USE_AGENT_STORE,
-  // and TORCHELASTIC_RESTART_COUNT. Throws std::invalid_argument naming the
+  // and TORCHELASTIC_RESTART_COUNT. Throws c10::ValueError naming the
   // variable and the fix when one is missing or invalid.
   static LaunchEnv from_environment();
 };

@@ -101,8 +101,8 @@ class World {
  public:
   // Joins the ranks described by the torchrun-style environment (see LaunchEnv): rank 0
   // hosts a TCPStore on MASTER_PORT (under torchrun, its agent does), every rank
-  // registers there and waits for all the others. Throws std::runtime_error naming the
-  // missing ranks, or std::invalid_argument naming a bad variable, within the timeout.
+  // registers there and waits for all the others. Throws c10::DistNetworkError naming the
+  // missing ranks, or c10::ValueError naming a bad variable, within the timeout.
   static std::shared_ptr<World> from_env(WorldOptions options = {});
   static std::shared_ptr<World> create(const LaunchEnv& env, WorldOptions options = {});
   ~World();

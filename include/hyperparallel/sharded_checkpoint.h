@@ -40,7 +40,7 @@ namespace hp {
 // of the model's fully_shard mesh (a model without fully_shard is saved by the calling
 // process alone); call it on every rank between steps. It returns once the checkpoint is
 // complete on disk, on every rank; when any rank fails to write, every rank throws
-// std::runtime_error naming the ranks that failed (each adds its own reason) and nothing
+// c10::Error naming the ranks that failed (each adds its own reason) and nothing
 // is saved.
 void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
                              torch::optim::Optimizer* optimizer = nullptr,
@@ -48,9 +48,9 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
 
 // Loads a checkpoint save_sharded_checkpoint wrote (on any mesh or world size) into
 // `model` and, when not null, `optimizer`, and returns its extra tensors. Names and
-// shapes are checked before any tensor is read (std::invalid_argument naming the
+// shapes are checked before any tensor is read (c10::ValueError naming the
 // checkpoint and the entry; strict: every model and optimizer entry must be used). Every
-// piece read is checked against its CRC-32: a damaged one throws std::runtime_error
+// piece read is checked against its CRC-32: a damaged one throws c10::Error
 // naming the file and the tensor. A collective like the save: when any rank fails, every
 // rank throws. Call it between steps, after fully_shard (also on a deferred model,
 // instead of materialize()).

@@ -32,7 +32,7 @@ using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 StateDict get_full_state_dict(torch::nn::Module& model);
 
 // Sets every parameter and buffer of `model` from whole tensors: each rank copies its
-// own part, without communication. Throws std::invalid_argument naming the first entry
+// own part, without communication. Throws c10::ValueError naming the first entry
 // that is missing, has another shape, or (strict) is not in the model. Between steps.
 void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool strict = true);
 
@@ -41,12 +41,12 @@ void set_full_state_dict(torch::nn::Module& model, const StateDict& state, bool 
 // with amsgrad) for torch::optim::Adam and AdamW, "<name>.momentum_buffer" for SGD.
 // Parameters without state (no step yet) have no entries. Hyperparameters (lr, betas,
 // ...) belong to the program, not to the checkpoint. A collective like
-// get_full_state_dict; other optimizers are refused (std::invalid_argument).
+// get_full_state_dict; other optimizers are refused (c10::ValueError).
 StateDict get_full_optimizer_state_dict(torch::nn::Module& model,
                                         torch::optim::Optimizer& optimizer);
 
 // Replaces the optimizer's per-parameter state with each rank's part of the whole
-// tensors (no communication). Throws std::invalid_argument naming an entry that has
+// tensors (no communication). Throws c10::ValueError naming an entry that has
 // another shape or, strict, belongs to no parameter; the optimizer is unchanged then.
 void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                    const StateDict& state, bool strict = true);
@@ -56,15 +56,15 @@ void set_full_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
 // holding its own storage (entries that share one in the file, e.g. tied weights Python
 // saved, come back as separate copies). write_state_dict_file writes "<path>.partial" and
 // renames it to `path` when complete, as the checkpoint functions do. Errors name the
-// file and the tensor: std::invalid_argument for a file that cannot be opened or is not
-// a torch.save dict of dense tensors, std::runtime_error for a failed write or read.
+// file and the tensor: c10::ValueError for a file that cannot be opened or is not
+// a torch.save dict of dense tensors, c10::Error for a failed write or read.
 void write_state_dict_file(const StateDict& state, const std::string& path);
 StateDict read_state_dict_file(const std::string& path);
 
 // get_full_state_dict streamed into `path` by rank 0 of the launch (RANK; a process
 // without RANK writes): a collective like get_full_state_dict, one whole tensor at a time.
 // The file appears at `path` only when complete. A write error is thrown on the writing
-// rank (std::runtime_error naming the file and the tensor) after the remaining gathers,
+// rank (c10::Error naming the file and the tensor) after the remaining gathers,
 // so that the other ranks are not left waiting; they do not learn of it. The other ranks
 // do not wait for the file: put a barrier before reading it elsewhere.
 void save_full_checkpoint(torch::nn::Module& model, const std::string& path);
@@ -73,7 +73,7 @@ void save_full_checkpoint(torch::nn::Module& model, const std::string& path);
 // each rank's part, as set_full_state_dict does. Names and shapes are checked against
 // the model before any tensor is read, with set_full_state_dict's errors naming the file;
 // the model is unchanged then. A record that cannot be read (a damaged file) throws
-// std::runtime_error saying the model is partly loaded.
+// c10::Error saying the model is partly loaded.
 void load_full_checkpoint(torch::nn::Module& model, const std::string& path, bool strict = true);
 
 // get_full_optimizer_state_dict streamed into `path` like save_full_checkpoint.

@@ -46,9 +46,9 @@ bool is_copy_of_indexed(const std::string& name, const IndexedTensor& tensor,
   for (const auto& indexed : tensor.pieces) {
     if (indexed.offsets != piece.offsets || indexed.shape != piece.shape) continue;
     if (indexed.crc32 != piece.crc32) {
-      throw std::runtime_error("tensor '" + name + "': " + indexed.file + " and " + piece.file +
-                               " hold the same part with different values (replicas that "
-                               "diverged)");
+      C10_THROW_ERROR(Error, "tensor '" + name + "': " + indexed.file + " and " + piece.file +
+                                 " hold the same part with different values (replicas that "
+                                 "diverged)");
     }
     return true;
   }
@@ -61,21 +61,21 @@ void check_covers(const std::string& name, const IndexedTensor& tensor) {
     const CheckpointPiece& piece = tensor.pieces[i];
     for (size_t d = 0; d < tensor.shape.size(); ++d) {
       if (piece.offsets[d] < 0 || piece.offsets[d] + piece.shape[d] > tensor.shape[d]) {
-        throw std::runtime_error("tensor '" + name + "': the piece in " + piece.file +
-                                 " lies outside its whole shape");
+        C10_THROW_ERROR(Error, "tensor '" + name + "': the piece in " + piece.file +
+                                   " lies outside its whole shape");
       }
     }
     for (size_t j = 0; j < i; ++j) {
       if (overlap(piece, tensor.pieces[j])) {
-        throw std::runtime_error("tensor '" + name + "': the pieces in " + piece.file + " and " +
-                                 tensor.pieces[j].file + " overlap");
+        C10_THROW_ERROR(Error, "tensor '" + name + "': the pieces in " + piece.file + " and " +
+                                   tensor.pieces[j].file + " overlap");
       }
     }
     covered += volume(piece.shape);
   }
   if (covered != volume(tensor.shape)) {
-    throw std::runtime_error("tensor '" + name + "': its pieces cover " + std::to_string(covered) +
-                             " of its " + std::to_string(volume(tensor.shape)) + " elements");
+    C10_THROW_ERROR(Error, "tensor '" + name + "': its pieces cover " + std::to_string(covered) +
+                               " of its " + std::to_string(volume(tensor.shape)) + " elements");
   }
 }
 
@@ -104,8 +104,8 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
         auto [found, inserted] =
             index.try_emplace(name, IndexedTensor{entry.dtype, whole_shape, {}});
         if (found->second.dtype != entry.dtype || found->second.shape != whole_shape) {
-          throw std::runtime_error("tensor '" + name + "' has another dtype or whole shape in " +
-                                   file + " than in the files before");
+          C10_THROW_ERROR(Error, "tensor '" + name + "' has another dtype or whole shape in " +
+                                     file + " than in the files before");
         }
         CheckpointPiece piece{file, record.at("offsets").get<std::vector<int64_t>>(), entry.shape,
                               record.at("crc32").get<std::string>()};
@@ -114,8 +114,8 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
         }
       }
     } catch (const json::exception& error) {
-      throw std::runtime_error(reader.path() + ": its piece records are malformed (" +
-                               error.what() + ")");
+      C10_THROW_ERROR(Error,
+                      reader.path() + ": its piece records are malformed (" + error.what() + ")");
     }
   }
   for (const auto& [name, tensor] : index) check_covers(name, tensor);
@@ -145,24 +145,24 @@ std::string write_index(const CheckpointIndex& index, const std::string& path) {
 
 CheckpointIndex read_index(const std::string& path, const std::string& crc32) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument("cannot open " + path + ": " + std::strerror(errno));
+  if (!in) C10_THROW_ERROR(ValueError, "cannot open " + path + ": " + std::strerror(errno));
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   if (!crc32.empty() && crc32_of(text) != crc32) {
-    throw std::runtime_error(path + " is damaged: CRC-32 " + crc32_of(text) + ", written with " +
-                             crc32 + "; load another checkpoint");
+    C10_THROW_ERROR(Error, path + " is damaged: CRC-32 " + crc32_of(text) + ", written with " +
+                               crc32 + "; load another checkpoint");
   }
   CheckpointIndex index;
   try {
     const json root = json::parse(text);
     if (root.at("format") != kFormat || root.at("version") != kVersion) {
-      throw std::invalid_argument(path + " is not a version " + std::to_string(kVersion) +
-                                  " index of a hyperparallel sharded checkpoint");
+      C10_THROW_ERROR(ValueError, path + " is not a version " + std::to_string(kVersion) +
+                                      " index of a hyperparallel sharded checkpoint");
     }
     for (const auto& [name, tensor] : root.at("tensors").items()) {
       const std::optional<c10::ScalarType> dtype =
           safetensors_dtype(tensor.at("dtype").get<std::string>());
       if (!dtype)
-        throw std::invalid_argument(path + ": tensor '" + name + "' has an unknown dtype");
+        C10_THROW_ERROR(ValueError, path + ": tensor '" + name + "' has an unknown dtype");
       IndexedTensor entry{*dtype, tensor.at("shape").get<std::vector<int64_t>>(), {}};
       for (const auto& piece : tensor.at("pieces")) {
         entry.pieces.push_back(
@@ -170,20 +170,21 @@ CheckpointIndex read_index(const std::string& path, const std::string& crc32) {
              piece.at("shape").get<std::vector<int64_t>>(), piece.at("crc32").get<std::string>()});
         if (entry.pieces.back().offsets.size() != entry.shape.size() ||
             entry.pieces.back().shape.size() != entry.shape.size()) {
-          throw std::invalid_argument(path + ": tensor '" + name +
-                                      "' has a piece of another rank than the tensor");
+          C10_THROW_ERROR(ValueError, path + ": tensor '" + name +
+                                          "' has a piece of another rank than the tensor");
         }
       }
       index.emplace(name, std::move(entry));
     }
   } catch (const json::exception& error) {
-    throw std::invalid_argument(path + " is malformed: " + error.what());
+    C10_THROW_ERROR(ValueError, path + " is malformed: " + error.what());
   }
   for (const auto& [name, tensor] : index) {
     try {
       check_covers(name, tensor);
-    } catch (const std::runtime_error& error) {
-      throw std::runtime_error(path + " is damaged: " + error.what() + "; load another checkpoint");
+    } catch (const c10::Error& error) {
+      C10_THROW_ERROR(Error, path + " is damaged: " + error.what_without_backtrace() +
+                                 "; load another checkpoint");
     }
   }
   return index;

@@ -41,7 +41,7 @@ struct PieceRecord {
 std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces);
 
 // Reads the headers of `files` (in `dir`) and checks that the pieces of every tensor
-// cover it exactly once. Throws std::runtime_error naming the file or tensor otherwise.
+// cover it exactly once. Throws c10::Error naming the file or tensor otherwise.
 CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::string>& files);
 
 // index.json, written (and flushed to the disk); returns the CRC-32 of its bytes, which
@@ -50,8 +50,8 @@ std::string write_index(const CheckpointIndex& index, const std::string& path);
 
 // Reads index.json, checks its bytes against `crc32` (unless empty) and that the pieces
 // of every tensor cover it exactly once, as at the save: a damaged index is never used.
-// Throws std::invalid_argument naming the file when it is missing or malformed, and
-// std::runtime_error when it is damaged.
+// Throws c10::ValueError naming the file when it is missing or malformed, and
+// c10::Error when it is damaged.
 CheckpointIndex read_index(const std::string& path, const std::string& crc32);
 
 }  // namespace hp::detail

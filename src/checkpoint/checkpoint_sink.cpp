@@ -1,6 +1,8 @@
 #include "checkpoint_sink.h"
 
-#include <stdexcept>
+#include <c10/util/Exception.h>
+
+#include "../distributed/error_message.h"
 
 namespace hp::detail {
 
@@ -15,7 +17,7 @@ CheckpointSink::CheckpointSink(bool writes, const std::string& path, std::string
 }
 
 void CheckpointSink::keep_error(const std::exception& error) {
-  error_ = error.what();
+  error_ = message_of(error);
   writer_.reset();  // removes the partial file
 }
 
@@ -36,7 +38,7 @@ void CheckpointSink::finish() {
       keep_error(error);
     }
   }
-  if (!error_.empty()) throw std::runtime_error(caller_ + ": " + error_);
+  if (!error_.empty()) C10_THROW_ERROR(Error, caller_ + ": " + error_);
 }
 
 }  // namespace hp::detail

@@ -21,7 +21,7 @@ class CheckpointSink {
   // Writes `whole` as entry `name` on the writing rank; does nothing on the others or
   // after an error.
   void write(const std::string& name, const at::Tensor& whole);
-  // Completes the file, or throws the first error as std::runtime_error, prefixed with
+  // Completes the file, or throws the first error as c10::Error, prefixed with
   // the caller.
   void finish();
 

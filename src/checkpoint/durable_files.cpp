@@ -1,5 +1,6 @@
 #include "durable_files.h"
 
+#include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -7,13 +8,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <stdexcept>
 
 namespace hp::detail {
 namespace {
 
 [[noreturn]] void fail(const std::string& what, const std::string& path, int error) {
-  throw std::runtime_error("cannot " + what + " " + path + ": " + std::strerror(error));
+  C10_THROW_ERROR(Error, "cannot " + what + " " + path + ": " + std::strerror(error));
 }
 
 std::string parent_of(const std::string& path) {

@@ -1,7 +1,7 @@
 #pragma once
 // File system steps that survive a crash or a power loss in a known state: data is
 // flushed to the disk (fsync) before a rename makes it visible, and the directory holding
-// a renamed entry is flushed too. Errors throw std::runtime_error naming the path.
+// a renamed entry is flushed too. Errors throw c10::Error naming the path.
 
 #include <string>
 

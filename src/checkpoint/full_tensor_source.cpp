@@ -1,6 +1,6 @@
 #include "full_tensor_source.h"
 
-#include <stdexcept>
+#include <c10/util/Exception.h>
 
 #include "torch_save_reader.h"
 
@@ -50,9 +50,9 @@ void require_all_used(const FullTensorSource& source, const std::set<std::string
   if (!strict) return;
   for (const auto& name : source.names) {
     if (!used.count(name)) {
-      throw std::invalid_argument(caller + ": '" + name + "' is " + not_what + ", but " +
-                                  source.description +
-                                  " has it (strict; pass strict = false to skip such entries)");
+      C10_THROW_ERROR(ValueError, caller + ": '" + name + "' is " + not_what + ", but " +
+                                      source.description +
+                                      " has it (strict; pass strict = false to skip such entries)");
     }
   }
 }

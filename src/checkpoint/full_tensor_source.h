@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "hyperparallel/state_dict.h"
 #include "../materialize/model_params.h"
+#include "hyperparallel/state_dict.h"
 
 namespace hp::detail {
 
@@ -41,7 +41,7 @@ at::Tensor read_local_part(const FullTensorSource& source, const std::string& na
 FullTensorSource source_of(const StateDict& state);
 FullTensorSource source_of(TorchSaveReader& reader);
 
-// Strict: throws std::invalid_argument naming `caller` and the first name of `source`
+// Strict: throws c10::ValueError naming `caller` and the first name of `source`
 // that is not in `used`, which "is <not_what>".
 void require_all_used(const FullTensorSource& source, const std::set<std::string>& used,
                       bool strict, const std::string& caller, const std::string& not_what);

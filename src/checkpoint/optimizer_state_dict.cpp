@@ -3,6 +3,7 @@
 // gathered and sliced exactly like the parameter, one at a time.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -12,13 +13,12 @@
 #include <map>
 #include <optional>
 #include <set>
-#include <stdexcept>
 
+#include "../materialize/model_params.h"
 #include "checkpoint_sink.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/state_dict.h"
-#include "../materialize/model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
 
@@ -83,7 +83,8 @@ StateCodec codec_for(torch::optim::Optimizer& optimizer) {
     return adam_codec<torch::optim::AdamParamState>();
   }
   if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return sgd_codec();
-  throw std::invalid_argument(
+  C10_THROW_ERROR(
+      ValueError,
       "full optimizer state dicts support torch::optim::Adam, AdamW and SGD; this optimizer "
       "is none of them");
 }
@@ -155,9 +156,9 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       const std::optional<c10::IntArrayRef> shape = source.shape_of(key);
       if (!shape) continue;
       if (*shape != c10::IntArrayRef(p.whole_shape)) {
-        throw std::invalid_argument(caller + ": '" + key + "' has shape " + c10::str(*shape) +
-                                    " in " + source.description + ", the parameter's is " +
-                                    c10::str(c10::IntArrayRef(p.whole_shape)));
+        C10_THROW_ERROR(ValueError, caller + ": '" + key + "' has shape " + c10::str(*shape) +
+                                        " in " + source.description + ", the parameter's is " +
+                                        c10::str(c10::IntArrayRef(p.whole_shape)));
       }
       planned.fields.push_back(field);
       used.insert(key);
@@ -165,16 +166,16 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
     const std::string step_key = p.name + ".step";
     if (const std::optional<c10::IntArrayRef> shape = source.shape_of(step_key)) {
       if (c10::multiply_integers(*shape) != 1) {
-        throw std::invalid_argument(caller + ": '" + step_key + "' has shape " + c10::str(*shape) +
-                                    " in " + source.description + "; one number expected");
+        C10_THROW_ERROR(ValueError, caller + ": '" + step_key + "' has shape " + c10::str(*shape) +
+                                        " in " + source.description + "; one number expected");
       }
       planned.has_step = true;
       used.insert(step_key);
     }
     if (planned.fields.empty()) continue;
     if (codec.has_step && !planned.has_step) {
-      throw std::invalid_argument(caller + ": no entry '" + step_key +
-                                  "' beside its other state in " + source.description);
+      C10_THROW_ERROR(ValueError, caller + ": no entry '" + step_key +
+                                      "' beside its other state in " + source.description);
     }
     plan.push_back(std::move(planned));
   }
@@ -199,10 +200,12 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       const int64_t step = planned.has_step ? source.read(p.name + ".step").item<int64_t>() : 0;
       optimizer.state()[p.variable.unsafeGetTensorImpl()] = codec.make(fields, step);
     }
-  } catch (const std::runtime_error& error) {  // a record that cannot be read
-    throw std::runtime_error(caller + ": " + error.what() +
-                             "; the optimizer state is partly loaded: the parameters before "
-                             "this one have their new state, the others none");
+  } catch (const c10::ValueError&) {  // a bad argument: nothing was loaded
+    throw;
+  } catch (const c10::Error& error) {  // a record that cannot be read
+    C10_THROW_ERROR(Error, caller + ": " + error.what_without_backtrace() +
+                               "; the optimizer state is partly loaded: the parameters before "
+                               "this one have their new state, the others none");
   }
 }
 

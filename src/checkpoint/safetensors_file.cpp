@@ -1,6 +1,7 @@
 #include "safetensors_file.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,7 +12,6 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <stdexcept>
 
 namespace hp::detail {
 namespace {
@@ -71,8 +71,8 @@ std::string safetensors_dtype_name(c10::ScalarType dtype) {
   for (const auto& [type, name] : dtype_names()) {
     if (type == dtype) return name;
   }
-  throw std::invalid_argument(std::string("dtype ") + c10::toString(dtype) +
-                              " has no safetensors name");
+  C10_THROW_ERROR(ValueError,
+                  std::string("dtype ") + c10::toString(dtype) + " has no safetensors name");
 }
 
 std::optional<c10::ScalarType> safetensors_dtype(const std::string& name) {
@@ -113,11 +113,11 @@ void write_safetensors(const std::string& path,
   const uint64_t header_size = text.size();
 
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot create " + path + ": " + std::strerror(errno));
+  if (fd < 0) C10_THROW_ERROR(Error, "cannot create " + path + ": " + std::strerror(errno));
   auto fail = [&](const std::string& what) {
     const int error = errno;
     ::close(fd);
-    throw std::runtime_error("cannot write " + what + " to " + path + ": " + reason(error));
+    C10_THROW_ERROR(Error, "cannot write " + what + " to " + path + ": " + reason(error));
   };
   if (!write_all(fd, &header_size, sizeof header_size) ||
       !write_all(fd, text.data(), text.size())) {
@@ -131,17 +131,17 @@ void write_safetensors(const std::string& path,
   }
   if (::fsync(fd) != 0) fail("its data (fsync)");
   if (::close(fd) != 0) {
-    throw std::runtime_error("cannot write " + path + " (close): " + std::strerror(errno));
+    C10_THROW_ERROR(Error, "cannot write " + path + " (close): " + std::strerror(errno));
   }
 }
 
 SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) {
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) throw std::invalid_argument("cannot open " + path_ + ": " + std::strerror(errno));
+  if (fd_ < 0) C10_THROW_ERROR(ValueError, "cannot open " + path_ + ": " + std::strerror(errno));
   auto bad = [&](const std::string& why) {
     ::close(fd_);
     fd_ = -1;
-    throw std::invalid_argument(path_ + " is not a safetensors file this library reads: " + why);
+    C10_THROW_ERROR(ValueError, path_ + " is not a safetensors file this library reads: " + why);
   };
   uint64_t header_size = 0;
   if (!read_all(fd_, &header_size, sizeof header_size, 0)) bad("it ends before its header");
@@ -187,14 +187,14 @@ SafetensorsReader::~SafetensorsReader() {
 at::Tensor SafetensorsReader::read(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) {
-    throw std::invalid_argument("no tensor '" + name + "' in " + path_);
+    C10_THROW_ERROR(ValueError, "no tensor '" + name + "' in " + path_);
   }
   const Entry& entry = it->second;
   at::Tensor tensor = at::empty(entry.shape, at::dtype(entry.dtype));
   errno = 0;
   if (!read_all(fd_, tensor.data_ptr(), entry.end - entry.begin, entry.begin)) {
-    throw std::runtime_error("cannot read tensor '" + name + "' from " + path_ + ": " +
-                             reason(errno));
+    C10_THROW_ERROR(Error,
+                    "cannot read tensor '" + name + "' from " + path_ + ": " + reason(errno));
   }
   return tensor;
 }

@@ -17,7 +17,7 @@ namespace hp::detail {
 
 // Writes `tensors` (any device; each written contiguous, in the given order) and
 // `metadata` to `path`, flushed to the disk (fsync) before returning. Throws
-// std::runtime_error naming the file and, for a failed write, the tensor.
+// c10::Error naming the file and, for a failed write, the tensor.
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata);
@@ -32,7 +32,7 @@ class SafetensorsReader {
     uint64_t end = 0;
   };
 
-  // Reads and checks the header. Throws std::invalid_argument naming the file when it
+  // Reads and checks the header. Throws c10::ValueError naming the file when it
   // cannot be opened or is not a safetensors file this library can read.
   explicit SafetensorsReader(std::string path);
   ~SafetensorsReader();
@@ -43,8 +43,8 @@ class SafetensorsReader {
   const std::map<std::string, Entry>& entries() const { return entries_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
-  // The tensor `name` (a host tensor of its own). Throws std::invalid_argument for an
-  // unknown name and std::runtime_error naming the file and tensor when it cannot be read.
+  // The tensor `name` (a host tensor of its own). Throws c10::ValueError for an
+  // unknown name and c10::Error naming the file and tensor when it cannot be read.
   at::Tensor read(const std::string& name) const;
 
  private:

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstring>
@@ -15,13 +16,13 @@
 #include <map>
 #include <memory>
 #include <regex>
-#include <stdexcept>
 
-#include "durable_files.h"
+#include "../distributed/error_message.h"
+#include "../materialize/model_params.h"
 #include "checkpoint_index.h"
+#include "durable_files.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
-#include "../materialize/model_params.h"
 #include "safetensors_file.h"
 #include "state_io.h"
 
@@ -51,11 +52,12 @@ std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
   }
   for (const auto& p : params) {
     if (p.parallel_slice) {
-      throw std::invalid_argument(
+      C10_THROW_ERROR(
+          ValueError,
           caller + ": '" + p.name +
-          "' is a parallel slice of a model that fully_shard does not manage, so the "
-          "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
-          "is fine) or save a full checkpoint");
+              "' is a parallel slice of a model that fully_shard does not manage, so the "
+              "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
+              "is fine) or save a full checkpoint");
     }
   }
   return nullptr;
@@ -63,7 +65,7 @@ std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
 
 // Runs `step` on this rank and agrees with the other ranks on the outcome (an all-gather,
 // which also makes it a barrier): returns when it succeeded everywhere. Otherwise every
-// rank throws: a rank that failed its own error, the others std::runtime_error naming the
+// rank throws: a rank that failed its own error, the others c10::Error naming the
 // ranks that failed.
 void on_every_rank(const World* world, const std::string& caller, const std::string& what,
                    const std::function<void()>& step) {
@@ -86,8 +88,8 @@ void on_every_rank(const World* world, const std::string& caller, const std::str
   if (failed.empty()) return;
   std::string ranks;
   for (int64_t r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  throw std::runtime_error(caller + ": " + what + " failed on rank(s) " + ranks +
-                           " (their errors say why)");
+  C10_THROW_ERROR(Error,
+                  caller + ": " + what + " failed on rank(s) " + ranks + " (their errors say why)");
 }
 
 // The tensors one rank writes, with what the index needs to know about each.
@@ -180,8 +182,8 @@ detail::CheckpointIndex verified_index(const std::string& dir) {
   if (!record.empty()) {
     if (record.rfind(kCompleteRecord, 0) != 0 ||
         record.size() != std::strlen(kCompleteRecord) + 8) {
-      throw std::runtime_error(marker + " is damaged (it reads '" + record +
-                               "'); load another checkpoint");
+      C10_THROW_ERROR(Error,
+                      marker + " is damaged (it reads '" + record + "'); load another checkpoint");
     }
     crc32 = record.substr(std::strlen(kCompleteRecord));
   }
@@ -253,8 +255,8 @@ class ShardedCheckpointReader {
       covered += volume(extent);
     }
     if (covered != volume(shape)) {
-      throw std::runtime_error("tensor '" + name + "' of " + dir_ + "/" + kIndexFile +
-                               ": its pieces do not cover the part requested");
+      C10_THROW_ERROR(Error, "tensor '" + name + "' of " + dir_ + "/" + kIndexFile +
+                                 ": its pieces do not cover the part requested");
     }
     return result;
   }
@@ -264,14 +266,15 @@ class ShardedCheckpointReader {
     if (!file) file = std::make_unique<detail::SafetensorsReader>(dir_ + "/" + piece.file);
     const at::Tensor data = file->read(name);
     if (data.sizes() != c10::IntArrayRef(piece.shape)) {
-      throw std::runtime_error("tensor '" + name + "' in " + file->path() + " has shape " +
-                               c10::str(data.sizes()) + ", the index says " +
-                               c10::str(c10::IntArrayRef(piece.shape)));
+      C10_THROW_ERROR(Error, "tensor '" + name + "' in " + file->path() + " has shape " +
+                                 c10::str(data.sizes()) + ", the index says " +
+                                 c10::str(c10::IntArrayRef(piece.shape)));
     }
     const std::string crc = detail::crc32_of(data);
     if (crc != piece.crc32) {
-      throw std::runtime_error("tensor '" + name + "' in " + file->path() + " is damaged: CRC-32 " +
-                               crc + ", written with " + piece.crc32 + "; load another checkpoint");
+      C10_THROW_ERROR(Error, "tensor '" + name + "' in " + file->path() + " is damaged: CRC-32 " +
+                                 crc + ", written with " + piece.crc32 +
+                                 "; load another checkpoint");
     }
     return data;
   }
@@ -335,9 +338,10 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
   StateDict extra;
   on_every_rank(world_of(params, caller).get(), caller, "loading " + dir, [&] {
     if (!is_complete_checkpoint(dir)) {
-      throw std::invalid_argument(
+      C10_THROW_ERROR(
+          ValueError,
           caller + ": " + dir + " is not a complete sharded checkpoint (no " + kCompleteMarker +
-          " marker: a save that did not finish, or not a checkpoint); load an earlier one");
+              " marker: a save that did not finish, or not a checkpoint); load an earlier one");
     }
     ShardedCheckpointReader reader(dir);
     detail::load_model_state(model, reader.source(kModelPrefix), strict, caller);
@@ -375,7 +379,7 @@ std::optional<std::string> latest_checkpoint(const std::string& root,
       verified_index(dir);
       return dir;
     } catch (const std::exception& damage) {
-      if (skipped) skipped->push_back(damage.what());
+      if (skipped) skipped->push_back(detail::message_of(damage));
     }
   }
   return std::nullopt;

@@ -4,17 +4,17 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <functional>
 #include <set>
-#include <stdexcept>
 
+#include "../materialize/model_params.h"
+#include "../materialize/whole_value.h"
 #include "checkpoint_sink.h"
 #include "full_tensor_source.h"
-#include "../materialize/model_params.h"
 #include "state_io.h"
 #include "torch_save_reader.h"
-#include "../materialize/whole_value.h"
 
 namespace hp {
 namespace {
@@ -59,14 +59,15 @@ void load_model_state(torch::nn::Module& model, const FullTensorSource& source, 
   auto require_whole = [&](const std::string& name, c10::IntArrayRef shape) {
     const std::optional<c10::IntArrayRef> found = source.shape_of(name);
     if (!found) {
-      throw std::invalid_argument(caller + ": no entry for '" + name + "' in " +
-                                  source.description + " (" + std::to_string(source.names.size()) +
-                                  " entries there); pass one saved from this model");
+      C10_THROW_ERROR(ValueError, caller + ": no entry for '" + name + "' in " +
+                                      source.description + " (" +
+                                      std::to_string(source.names.size()) +
+                                      " entries there); pass one saved from this model");
     }
     if (*found != shape) {
-      throw std::invalid_argument(caller + ": '" + name + "' has shape " + c10::str(*found) +
-                                  " in " + source.description + ", the model's is " +
-                                  c10::str(shape) + " (whole tensors expected)");
+      C10_THROW_ERROR(ValueError, caller + ": '" + name + "' has shape " + c10::str(*found) +
+                                      " in " + source.description + ", the model's is " +
+                                      c10::str(shape) + " (whole tensors expected)");
     }
     used.insert(name);
   };
@@ -91,9 +92,11 @@ void load_model_state(torch::nn::Module& model, const FullTensorSource& source, 
     for (const auto& item : model.named_buffers()) {
       detail::set_whole_value(item.value(), source.read(item.key()), nullptr);
     }
-  } catch (const std::runtime_error& error) {  // a record that cannot be read
-    throw std::runtime_error(caller + ": " + error.what() +
-                             "; the model is partly loaded (the tensors before this one)");
+  } catch (const c10::ValueError&) {  // a bad argument: nothing was loaded
+    throw;
+  } catch (const c10::Error& error) {  // a record that cannot be read
+    C10_THROW_ERROR(Error, caller + ": " + error.what_without_backtrace() +
+                               "; the model is partly loaded (the tensors before this one)");
   }
 }
 

@@ -1,6 +1,7 @@
 #include "torch_save_reader.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <zip.h>
@@ -9,7 +10,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <stdexcept>
 
 namespace hp::detail {
 namespace {
@@ -48,7 +48,7 @@ std::unordered_map<std::string, uint32_t> stored_crcs(const std::string& path) {
     zip_error_init_with_code(&reason, error);
     const std::string text = zip_error_strerror(&reason);
     zip_error_fini(&reason);
-    throw std::invalid_argument(path + " is not a readable zip archive: " + text);
+    C10_THROW_ERROR(ValueError, path + " is not a readable zip archive: " + text);
   }
   std::unordered_map<std::string, uint32_t> crcs;
   const zip_int64_t count = zip_get_num_entries(archive, 0);
@@ -83,37 +83,38 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
   if (std::FILE* file = std::fopen(path.c_str(), "rb")) {
     std::fclose(file);
   } else {
-    throw std::invalid_argument("cannot open checkpoint file " + path + ": " +
-                                std::strerror(errno));
+    C10_THROW_ERROR(ValueError,
+                    "cannot open checkpoint file " + path + ": " + std::strerror(errno));
   }
   try {
     archive_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
   } catch (const c10::Error& error) {
-    throw std::invalid_argument(path +
-                                " is not a torch.save zip archive (truncated, damaged, or saved "
-                                "with _use_new_zipfile_serialization=False?): " +
-                                error.what_without_backtrace());
+    C10_THROW_ERROR(ValueError,
+                    path +
+                        " is not a torch.save zip archive (truncated, damaged, or saved "
+                        "with _use_new_zipfile_serialization=False?): " +
+                        error.what_without_backtrace());
   }
   record_crcs_ = stored_crcs(path);
   const auto checked_record = [&](const std::string& record) {
     auto [data, size] = archive_->getRecord(record);
     if (!crc_matches(record_crcs_, record, data.get(), size)) {
-      throw std::invalid_argument(path + ": its record '" + record +
-                                  "' fails the CRC-32 check (the file is damaged)");
+      C10_THROW_ERROR(ValueError, path + ": its record '" + record +
+                                      "' fails the CRC-32 check (the file is damaged)");
     }
     return std::make_pair(std::move(data), size);
   };
   if (archive_->hasRecord("byteorder")) {
     auto [order, size] = checked_record("byteorder");
     if (std::string(static_cast<const char*>(order.get()), size) != kHostByteOrder) {
-      throw std::invalid_argument(path + " holds tensors in another byte order than this " +
-                                  "machine's; load and save it again with Python's torch here");
+      C10_THROW_ERROR(ValueError, path + " holds tensors in another byte order than this " +
+                                      "machine's; load and save it again with Python's torch here");
     }
   }
   if (!archive_->hasRecord("data.pkl")) {
-    throw std::invalid_argument(path +
-                                " has no data.pkl: not written by torch.save (a TorchScript "
-                                "module?); save a dict of tensors");
+    C10_THROW_ERROR(ValueError, path +
+                                    " has no data.pkl: not written by torch.save (a TorchScript "
+                                    "module?); save a dict of tensors");
   }
   auto [pickle, pickle_size] = checked_record("data.pkl");
   size_t pickle_read = 0;
@@ -131,23 +132,24 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
     value = unpickler.parse_ivalue();
   } catch (const c10::Error& error) {
     // LibTorch's unpickler reads Python's OrderedDict (what state_dict() returns) as None.
-    throw std::invalid_argument(path + ": cannot unpickle its dict (" +
-                                error.what_without_backtrace() +
-                                "); save a plain dict of tensors (in Python: "
-                                "torch.save(dict(model.state_dict()), path))");
+    C10_THROW_ERROR(ValueError, path + ": cannot unpickle its dict (" +
+                                    error.what_without_backtrace() +
+                                    "); save a plain dict of tensors (in Python: "
+                                    "torch.save(dict(model.state_dict()), path))");
   }
   if (!value.isGenericDict()) {
-    throw std::invalid_argument(path + " does not hold a dict of tensors (a state dict)");
+    C10_THROW_ERROR(ValueError, path + " does not hold a dict of tensors (a state dict)");
   }
   for (const auto& item : value.toGenericDict()) {
     if (!item.key().isString() || !item.value().isTensor()) {
-      throw std::invalid_argument(path + " holds a dict entry that is not name -> tensor");
+      C10_THROW_ERROR(ValueError, path + " holds a dict entry that is not name -> tensor");
     }
     const std::string& name = item.key().toStringRef();
     const at::Tensor& tensor = item.value().toTensor();
     if (tensor.layout() != at::kStrided || tensor.is_quantized()) {
-      throw std::invalid_argument("'" + name + "' in " + path +
-                                  " is a sparse or quantized tensor; only dense tensors are read");
+      C10_THROW_ERROR(ValueError,
+                      "'" + name + "' in " + path +
+                          " is a sparse or quantized tensor; only dense tensors are read");
     }
     Entry entry{name,
                 tensor.scalar_type(),
@@ -165,9 +167,9 @@ TorchSaveReader::TorchSaveReader(const std::string& path) : path_(path) {
     if (needed > entry.storage_bytes || (entry.storage_bytes > 0 && !has_record) ||
         (has_record &&
          archive_->getRecordSize(entry.record) != static_cast<size_t>(entry.storage_bytes))) {
-      throw std::invalid_argument("'" + name + "' in " + path +
-                                  ": its data record is missing or of another size than its "
-                                  "shape needs (a damaged file)");
+      C10_THROW_ERROR(ValueError, "'" + name + "' in " + path +
+                                      ": its data record is missing or of another size than its "
+                                      "shape needs (a damaged file)");
     }
     index_[name] = entries_.size();
     entries_.push_back(std::move(entry));
@@ -188,15 +190,15 @@ at::Tensor TorchSaveReader::read(const Entry& entry) {
     try {
       archive_->getRecord(entry.record, storage.data_ptr(), entry.storage_bytes);
     } catch (const c10::Error& error) {
-      throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
-                               entry.record + "): " + error.what_without_backtrace());
+      C10_THROW_ERROR(Error, "cannot read '" + entry.name + "' from " + path_ + " (record " +
+                                 entry.record + "): " + error.what_without_backtrace());
     }
     // LibTorch's reader does not check the archive's CRCs: damaged bytes would load.
     if (!crc_matches(record_crcs_, entry.record, storage.data_ptr(),
                      static_cast<size_t>(entry.storage_bytes))) {
-      throw std::runtime_error("cannot read '" + entry.name + "' from " + path_ + " (record " +
-                               entry.record +
-                               "): its bytes fail the CRC-32 check (the file is damaged)");
+      C10_THROW_ERROR(Error, "cannot read '" + entry.name + "' from " + path_ + " (record " +
+                                 entry.record +
+                                 "): its bytes fail the CRC-32 check (the file is damaged)");
     }
   }
   return storage.as_strided(entry.shape, entry.strides, entry.storage_offset);

@@ -30,7 +30,7 @@ class TorchSaveReader {
     std::string record;  // "data/<key>"; empty for an empty storage (no record)
   };
 
-  // Throws std::invalid_argument naming `path` when it cannot be opened or is no
+  // Throws c10::ValueError naming `path` when it cannot be opened or is no
   // torch.save archive of a dict from names to dense tensors.
   explicit TorchSaveReader(const std::string& path);
   ~TorchSaveReader();
@@ -42,7 +42,7 @@ class TorchSaveReader {
   const std::vector<Entry>& entries() const { return entries_; }
   // nullptr when the file has no tensor of that name.
   const Entry* find(const std::string& name) const;
-  // The tensor, on the host, holding only its own storage. Throws std::runtime_error
+  // The tensor, on the host, holding only its own storage. Throws c10::Error
   // naming the file and the tensor when its record cannot be read or its bytes fail the
   // CRC-32 the archive stores for them.
   at::Tensor read(const Entry& entry);

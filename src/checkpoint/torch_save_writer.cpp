@@ -1,6 +1,7 @@
 #include "torch_save_writer.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -8,7 +9,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <stdexcept>
 #include <unordered_map>
 
 namespace hp::detail {
@@ -33,8 +33,8 @@ TorchSaveWriter::TorchSaveWriter(const std::string& path)
     : path_(path), partial_path_(path + ".partial") {
   file_ = std::fopen(partial_path_.c_str(), "wb");
   if (!file_) {
-    throw std::runtime_error("cannot create checkpoint file " + path_ + " (writing " +
-                             partial_path_ + "): " + std::strerror(errno));
+    C10_THROW_ERROR(Error, "cannot create checkpoint file " + path_ + " (writing " + partial_path_ +
+                               "): " + std::strerror(errno));
   }
   // Records go to the file one after the other, the directory at the end, as Python's
   // torch.save writes. After a failed write (or when abandoned) bytes are dropped but
@@ -77,16 +77,16 @@ void TorchSaveWriter::close_file() {
 
 void TorchSaveWriter::write(const std::string& name, const at::Tensor& tensor) {
   if (!names_.insert(name).second) {
-    throw std::invalid_argument("'" + name + "' is written to " + path_ + " twice");
+    C10_THROW_ERROR(ValueError, "'" + name + "' is written to " + path_ + " twice");
   }
   // The record holds the elements in row-major order, as the pickled strides will say.
   const at::Tensor data = tensor.detach().to(at::kCPU).resolve_conj().resolve_neg().contiguous();
   try {
     archive_->writeRecord(record_name(written_.size()), data.data_ptr(), data.nbytes());
   } catch (const c10::Error& error) {
-    throw std::runtime_error(failure("'" + name + "'", error.what_without_backtrace()));
+    C10_THROW_ERROR(Error, failure("'" + name + "'", error.what_without_backtrace()));
   }
-  if (write_errno_ != 0) throw std::runtime_error(failure("'" + name + "'"));
+  if (write_errno_ != 0) C10_THROW_ERROR(Error, failure("'" + name + "'"));
   written_.push_back({name, data.scalar_type(), data.sizes().vec()});
 }
 
@@ -116,23 +116,23 @@ void TorchSaveWriter::finish() {
     archive_->writeRecord("data.pkl", pickled.data(), pickled.size());
     archive_->writeEndOfFile();
   } catch (const c10::Error& error) {
-    throw std::runtime_error(failure(index, error.what_without_backtrace()));
+    C10_THROW_ERROR(Error, failure(index, error.what_without_backtrace()));
   }
-  if (write_errno_ != 0) throw std::runtime_error(failure(index));
+  if (write_errno_ != 0) C10_THROW_ERROR(Error, failure(index));
   // On disk before the rename, so that a crash never leaves a damaged file at path_.
   if (std::fflush(file_) != 0 || fsync(fileno(file_)) != 0) {
     write_errno_ = errno;
-    throw std::runtime_error(failure("the last bytes"));
+    C10_THROW_ERROR(Error, failure("the last bytes"));
   }
   const int closed = std::fclose(file_);
   file_ = nullptr;
   if (closed != 0) {
     write_errno_ = errno;
-    throw std::runtime_error(failure("the last bytes"));
+    C10_THROW_ERROR(Error, failure("the last bytes"));
   }
   if (std::rename(partial_path_.c_str(), path_.c_str()) != 0) {
-    throw std::runtime_error("cannot move the finished checkpoint " + partial_path_ + " to " +
-                             path_ + ": " + std::strerror(errno));
+    C10_THROW_ERROR(Error, "cannot move the finished checkpoint " + partial_path_ + " to " + path_ +
+                               ": " + std::strerror(errno));
   }
   finished_ = true;
 }

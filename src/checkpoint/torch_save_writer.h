@@ -23,7 +23,7 @@ namespace hp::detail {
 
 class TorchSaveWriter {
  public:
-  // Throws std::runtime_error naming the file when it cannot be created.
+  // Throws c10::Error naming the file when it cannot be created.
   explicit TorchSaveWriter(const std::string& path);
   // Unfinished (an error, or no finish()): removes the partial file. Never throws.
   ~TorchSaveWriter();
@@ -31,11 +31,11 @@ class TorchSaveWriter {
   TorchSaveWriter& operator=(const TorchSaveWriter&) = delete;
 
   // Appends `tensor` (any device; written contiguous) as entry `name`. Throws
-  // std::runtime_error naming the file and the tensor on a write error, and
-  // std::invalid_argument when `name` was written before.
+  // c10::Error naming the file and the tensor on a write error, and
+  // c10::ValueError when `name` was written before.
   void write(const std::string& name, const at::Tensor& tensor);
   // Writes the dict and the archive's directory, closes the file and moves it to `path`.
-  // Throws std::runtime_error naming the file on any error.
+  // Throws c10::Error naming the file on any error.
   void finish();
 
   const std::string& path() const { return path_; }

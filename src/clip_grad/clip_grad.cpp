@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <map>
-#include <stdexcept>
 #include <string>
 
 #include "hyperparallel/collectives.h"
@@ -64,13 +64,14 @@ at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type,
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
                        bool error_if_nonfinite) {
   if (!(max_norm > 0)) {
-    throw std::invalid_argument("clip_grad_norm_: max_norm must be positive, got " +
-                                std::to_string(max_norm));
+    C10_THROW_ERROR(ValueError,
+                    "clip_grad_norm_: max_norm must be positive, got " + std::to_string(max_norm));
   }
   if (!(norm_type > 0)) {
-    throw std::invalid_argument(
+    C10_THROW_ERROR(
+        ValueError,
         "clip_grad_norm_: norm_type must be positive (or infinity for the max norm), got " +
-        std::to_string(norm_type));
+            std::to_string(norm_type));
   }
   c10::NoGradGuard no_grad;
   const std::vector<GradPart> parts = grad_parts(parameters);
@@ -114,10 +115,10 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
       max_norm_type ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
 
   if (error_if_nonfinite && !std::isfinite(norm)) {
-    throw std::runtime_error("clip_grad_norm_: the total norm of the gradients is " +
-                             std::to_string(norm) +
-                             ", so they cannot be clipped; pass error_if_nonfinite = false "
-                             "to scale them by it anyway");
+    C10_THROW_ERROR(Error, "clip_grad_norm_: the total norm of the gradients is " +
+                               std::to_string(norm) +
+                               ", so they cannot be clipped; pass error_if_nonfinite = false "
+                               "to scale them by it anyway");
   }
   // As PyTorch: a NaN norm makes every gradient NaN, an infinite one zeroes them.
   const double scale = max_norm / (norm + 1e-6);

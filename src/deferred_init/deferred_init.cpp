@@ -7,10 +7,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -160,12 +160,13 @@ OpInputs inspect_inputs(c10::ArrayRef<c10::IValue> args) {
 }
 
 [[noreturn]] void throw_reads_values(const c10::OperatorHandle& op) {
-  throw std::logic_error(
+  C10_THROW_ERROR(
+      Error,
       "hp::deferred_init: " + name_of(op) +
-      " reads the values of a deferred tensor, which has none until hp::materialize(). "
-      "Construction code under deferred_init must not read tensor values (item(), equal(), "
-      "nonzero(), boolean masks, data_ptr()); move that code after materialize(), or compute "
-      "it from real tensors.");
+          " reads the values of a deferred tensor, which has none until hp::materialize(). "
+          "Construction code under deferred_init must not read tensor values (item(), equal(), "
+          "nonzero(), boolean masks, data_ptr()); move that code after materialize(), or compute "
+          "it from real tensors.");
 }
 
 // The alias groups `op` writes in place (arguments annotated Tensor(a!)).
@@ -179,10 +180,10 @@ std::vector<GroupId> written_groups(const c10::OperatorHandle& op, c10::ArrayRef
     for_each_tensor(args[i], [&](const at::Tensor& t, int64_t) {
       const DeferredTensorImpl* impl = pending_deferred(t);
       if (!impl) {
-        throw std::logic_error("hp::deferred_init: " + name_of(op) +
-                               " would write values computed from deferred tensors into a "
-                               "real tensor, which cannot wait for materialize(); make the "
-                               "destination inside the construction too");
+        C10_THROW_ERROR(Error, "hp::deferred_init: " + name_of(op) +
+                                   " would write values computed from deferred tensors into a "
+                                   "real tensor, which cannot wait for materialize(); make the "
+                                   "destination inside the construction too");
       }
       groups.push_back(log.group_of[impl->pending()->value]);
     });
@@ -241,11 +242,12 @@ void run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.callBoxed(stack);
   } catch (const c10::Error& error) {
-    throw std::logic_error("hp::deferred_init: " + name_of(op) +
-                           " failed on deferred (meta) tensors: " + error.what_without_backtrace() +
-                           ". Deferred tensors have shapes but no values until "
-                           "hp::materialize(): construction code must not read tensor values "
-                           "(item(), nonzero(), ...); move such code after materialize().");
+    C10_THROW_ERROR(Error,
+                    "hp::deferred_init: " + name_of(op) +
+                        " failed on deferred (meta) tensors: " + error.what_without_backtrace() +
+                        ". Deferred tensors have shapes but no values until "
+                        "hp::materialize(): construction code must not read tensor values "
+                        "(item(), nonzero(), ...); move such code after materialize().");
   }
 }
 
@@ -353,10 +355,10 @@ void record_or_run(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
       if (!impl) return;
       any_deferred = true;
       if (log && impl->pending()->log != log) {
-        throw std::logic_error("hp::deferred_init: " + name_of(op) +
-                               " uses a tensor deferred by an earlier deferred_init call; "
-                               "construct everything that uses it in one deferred_init call, "
-                               "or materialize it first");
+        C10_THROW_ERROR(Error, "hp::deferred_init: " + name_of(op) +
+                                   " uses a tensor deferred by an earlier deferred_init call; "
+                                   "construct everything that uses it in one deferred_init call, "
+                                   "or materialize it first");
       }
     });
   }
@@ -393,10 +395,11 @@ DeferredInitRecording::~DeferredInitRecording() {
 std::optional<c10::Device> deferred_device(const at::Tensor& tensor) {
   if (const DeferredTensorImpl* impl = pending_deferred(tensor)) return impl->pending()->device;
   if (tensor.defined() && tensor.is_meta()) {
-    throw std::invalid_argument(
+    C10_THROW_ERROR(
+        ValueError,
         "a meta tensor of shape " + c10::str(tensor.sizes()) +
-        " that hp::deferred_init did not make: nothing records how to compute its values. "
-        "Construct the module inside hp::deferred_init(...), or on a real device");
+            " that hp::deferred_init did not make: nothing records how to compute its values. "
+            "Construct the module inside hp::deferred_init(...), or on a real device");
   }
   return std::nullopt;
 }

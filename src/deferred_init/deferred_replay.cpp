@@ -4,11 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <map>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -95,8 +95,8 @@ ReplayPlan plan_replay(const DeferredLog& log, const std::vector<ValueId>& wante
     auto made = made_at.find(v);
     auto written = last_write.find(log.group_of[v]);
     if (made == made_at.end() && written == last_write.end()) {
-      throw std::logic_error("hp::materialize: internal error: the replay never produces value " +
-                             std::to_string(v));
+      C10_THROW_ERROR(Error, "hp::materialize: internal error: the replay never produces value " +
+                                 std::to_string(v));
     }
     const size_t final_at = std::max(made == made_at.end() ? 0 : made->second,
                                      written == last_write.end() ? 0 : written->second);
@@ -159,8 +159,8 @@ void run_op(const RecordedOp& op, std::unordered_map<ValueId, at::Tensor>& live,
     if (scratch.defined() && v == op.overwrite->value) return scratch;
     auto found = live.find(v);
     if (found == live.end()) {
-      throw std::logic_error("hp::materialize: internal error: replaying " + name_of(op) +
-                             " needs value " + std::to_string(v) + ", which is not there");
+      C10_THROW_ERROR(Error, "hp::materialize: internal error: replaying " + name_of(op) +
+                                 " needs value " + std::to_string(v) + ", which is not there");
     }
     return found->second;
   };
@@ -169,9 +169,9 @@ void run_op(const RecordedOp& op, std::unordered_map<ValueId, at::Tensor>& live,
   try {
     op.op.callBoxed(stack);
   } catch (const c10::Error& error) {
-    throw std::runtime_error(
-        "hp::materialize: replaying " + name_of(op) +
-        " (recorded by hp::deferred_init) failed: " + error.what_without_backtrace());
+    C10_THROW_ERROR(
+        Error, "hp::materialize: replaying " + name_of(op) +
+                   " (recorded by hp::deferred_init) failed: " + error.what_without_backtrace());
   }
   for (size_t r = 0; r < op.outputs.size(); ++r) {
     for (const auto& [position, value] : op.outputs[r]) live[value] = tensor_at(stack[r], position);

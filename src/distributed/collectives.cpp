@@ -2,12 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cctype>
 #include <numeric>
-#include <stdexcept>
+#include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <utility>
 
 #include "tensor_storage.h"
 
@@ -15,7 +17,7 @@ namespace hp {
 namespace {
 
 void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
+  if (!condition) C10_THROW_ERROR(ValueError, message);
 }
 
 void require_contiguous(const at::Tensor& tensor, const char* op, const char* what) {
@@ -55,14 +57,14 @@ c10d::ReduceOp backend_op(ReduceOp op) {
     case ReduceOp::kMin:
       return c10d::ReduceOp::MIN;
   }
-  throw std::logic_error("unknown ReduceOp");
+  C10_THROW_ERROR(Error, "unknown ReduceOp");
 }
 
 std::function<void()> average_after(ReduceOp op, at::Tensor result, int64_t group_size) {
   if (op != ReduceOp::kAvg || group_size == 1) return {};
   if (!at::isFloatingType(result.scalar_type())) {
-    throw std::invalid_argument("reduce op avg needs a floating-point tensor, got " +
-                                std::string(c10::toString(result.scalar_type())));
+    C10_THROW_ERROR(ValueError, "reduce op avg needs a floating-point tensor, got " +
+                                    std::string(c10::toString(result.scalar_type())));
   }
   return [result, group_size]() mutable { result.div_(group_size); };
 }
@@ -185,21 +187,32 @@ ReduceOp parse_reduce_op(const std::string& name) {
   for (size_t i = 0; i < std::size(kReduceOpNames); ++i) {
     if (lower == kReduceOpNames[i]) return static_cast<ReduceOp>(i);
   }
-  throw std::invalid_argument("unknown reduce op '" + name +
-                              "'; use \"sum\", \"avg\", "
-                              "\"max\" or \"min\"");
+  C10_THROW_ERROR(ValueError, "unknown reduce op '" + name +
+                                  "'; use \"sum\", \"avg\", "
+                                  "\"max\" or \"min\"");
 }
 
 std::string to_string(ReduceOp op) { return kReduceOpNames[static_cast<size_t>(op)]; }
 
-CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& group) {
-  require_group_multiple("all_gather", {output, "output"}, {input, "input"}, group, "");
+// The flat views of a collective's output and input; for a group of one rank the input
+// is copied over and nothing is left to communicate (nullopt).
+std::optional<std::pair<at::Tensor, at::Tensor>> flat_views_to_communicate(const at::Tensor& output,
+                                                                           const at::Tensor& input,
+                                                                           const Group& group) {
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
   if (group.size() == 1) {
     out_flat.copy_(in_flat);
-    return {};
+    return std::nullopt;
   }
+  return std::make_pair(out_flat, in_flat);
+}
+
+CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& group) {
+  require_group_multiple("all_gather", {output, "output"}, {input, "input"}, group, "");
+  auto flat = flat_views_to_communicate(output, input, group);
+  if (!flat) return {};
+  auto [out_flat, in_flat] = *flat;
   Transport transport(group, input);
   at::Tensor out = transport.output(out_flat);
   at::Tensor in = transport.input(in_flat);
@@ -212,12 +225,9 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
                           const Group& group) {
   require_group_multiple("reduce_scatter", {input, "input"}, {output, "output"}, group,
                          " (pad the input to a multiple of the group size)");
-  at::Tensor out_flat = output.view(-1);
-  at::Tensor in_flat = input.view(-1);
-  if (group.size() == 1) {
-    out_flat.copy_(in_flat);
-    return {};
-  }
+  auto flat = flat_views_to_communicate(output, input, group);
+  if (!flat) return {};
+  auto [out_flat, in_flat] = *flat;
   Transport transport(group, input);
   if (transport.backend().getBackendName() == "gloo") {
     return reduce_scatter_by_all_to_all(out_flat, in_flat, op, group);

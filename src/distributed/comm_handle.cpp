@@ -1,14 +1,16 @@
 #include "hyperparallel/comm_handle.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <mutex>
-#include <stdexcept>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <utility>
 #include <vector>
 
+#include "error_message.h"
 #include "tensor_storage.h"
 
 namespace hp {
@@ -72,9 +74,9 @@ void CommHandle::wait() {
     if (state_->work) wait_for_work();
   } catch (const std::exception& failure) {
     if (state_->failure.explain) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
-      error = std::make_exception_ptr(std::runtime_error(state_->failure.explain(
-          c10_error ? c10_error->what_without_backtrace() : failure.what())));
+      error = std::make_exception_ptr(
+          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                state_->failure.explain(detail::message_of(failure))));
     } else {
       error = std::current_exception();
     }
@@ -117,7 +119,8 @@ void CommHandle::wait_for_work() {
   }
   if (!work.isCompleted()) {
     keep_in_flight(std::move(state_->work));
-    throw std::runtime_error("not completed by its deadline (the timeout, counted from its issue)");
+    C10_THROW_ERROR(DistBackendError,
+                    "not completed by its deadline (the timeout, counted from its issue)");
   }
 }
 

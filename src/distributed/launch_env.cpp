@@ -1,9 +1,10 @@
 #include "hyperparallel/launch_env.h"
 
+#include <c10/util/Exception.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <optional>
-#include <stdexcept>
 
 namespace hp {
 namespace {
@@ -15,8 +16,8 @@ constexpr const char* kHowToLaunch =
 std::string required(const char* name) {
   const char* value = std::getenv(name);
   if (!value || !*value) {
-    throw std::invalid_argument(std::string("environment variable ") + name + " is not set" +
-                                kHowToLaunch);
+    C10_THROW_ERROR(ValueError,
+                    std::string("environment variable ") + name + " is not set" + kHowToLaunch);
   }
   return value;
 }
@@ -38,9 +39,9 @@ int64_t parse_int(const char* name, const std::string& text, int64_t min, int64_
   const auto value = parse_whole<long long>(
       text, [](const std::string& t, size_t* used) { return std::stoll(t, used); });
   if (!value || *value < min || *value > max) {
-    throw std::invalid_argument(std::string("environment variable ") + name + "='" + text +
-                                "' is not an integer in [" + std::to_string(min) + ", " +
-                                std::to_string(max) + "]" + kHowToLaunch);
+    C10_THROW_ERROR(ValueError, std::string("environment variable ") + name + "='" + text +
+                                    "' is not an integer in [" + std::to_string(min) + ", " +
+                                    std::to_string(max) + "]" + kHowToLaunch);
   }
   return *value;
 }
@@ -51,9 +52,9 @@ std::chrono::milliseconds parse_seconds(const char* name, const std::string& tex
       text, [](const std::string& t, size_t* used) { return std::stod(t, used); });
   const double seconds = parsed.value_or(0);
   if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e7) {
-    throw std::invalid_argument(std::string("environment variable ") + name + "='" + text +
-                                "' is not a positive number of seconds (how long start-up and "
-                                "collectives wait for the other ranks, e.g. 60)");
+    C10_THROW_ERROR(ValueError, std::string("environment variable ") + name + "='" + text +
+                                    "' is not a positive number of seconds (how long start-up and "
+                                    "collectives wait for the other ranks, e.g. 60)");
   }
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
 }
@@ -76,8 +77,8 @@ LaunchEnv LaunchEnv::from_environment() {
   if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent && *agent) {
     const std::string value = agent;
     if (value != "True" && value != "False" && value != "1" && value != "0") {
-      throw std::invalid_argument("environment variable TORCHELASTIC_USE_AGENT_STORE='" + value +
-                                  "' is neither True nor False (torchrun sets it)");
+      C10_THROW_ERROR(ValueError, "environment variable TORCHELASTIC_USE_AGENT_STORE='" + value +
+                                      "' is neither True nor False (torchrun sets it)");
     }
     env.agent_store = value == "True" || value == "1";
   }

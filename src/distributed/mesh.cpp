@@ -1,9 +1,10 @@
 #include "hyperparallel/mesh.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <map>
 #include <set>
-#include <stdexcept>
 
 namespace hp {
 
@@ -51,29 +52,29 @@ struct DeviceMesh::Layout {
 };
 
 DeviceMesh::DeviceMesh(std::shared_ptr<World> world, std::vector<MeshDim> dims) {
-  if (!world) throw std::invalid_argument("DeviceMesh needs a World");
-  if (dims.empty()) throw std::invalid_argument("DeviceMesh needs at least one dimension");
+  if (!world) C10_THROW_ERROR(ValueError, "DeviceMesh needs a World");
+  if (dims.empty()) C10_THROW_ERROR(ValueError, "DeviceMesh needs at least one dimension");
   auto layout = std::make_shared<Layout>();
   layout->world = world;
   layout->dims = dims;
   std::set<std::string> names;
   int64_t product = 1;
   for (const auto& d : dims) {
-    if (d.name.empty()) throw std::invalid_argument("mesh dimension names must not be empty");
+    if (d.name.empty()) C10_THROW_ERROR(ValueError, "mesh dimension names must not be empty");
     if (!names.insert(d.name).second) {
-      throw std::invalid_argument("mesh dimension '" + d.name + "' appears twice in " +
-                                  layout->describe() + "; give each dimension its own name");
+      C10_THROW_ERROR(ValueError, "mesh dimension '" + d.name + "' appears twice in " +
+                                      layout->describe() + "; give each dimension its own name");
     }
     if (d.size <= 0) {
-      throw std::invalid_argument("mesh dimension '" + d.name + "' has size " +
-                                  std::to_string(d.size) + "; sizes must be positive");
+      C10_THROW_ERROR(ValueError, "mesh dimension '" + d.name + "' has size " +
+                                      std::to_string(d.size) + "; sizes must be positive");
     }
     product *= d.size;
   }
   if (product != world->size()) {
-    throw std::invalid_argument("mesh " + layout->describe() + " has " + std::to_string(product) +
-                                " ranks but the world has " + std::to_string(world->size()) +
-                                "; make the product of the sizes equal WORLD_SIZE");
+    C10_THROW_ERROR(ValueError, "mesh " + layout->describe() + " has " + std::to_string(product) +
+                                    " ranks but the world has " + std::to_string(world->size()) +
+                                    "; make the product of the sizes equal WORLD_SIZE");
   }
   int64_t rest = world->rank();
   layout->coords.resize(dims.size());
@@ -111,7 +112,7 @@ const std::vector<size_t>& DeviceMesh::span_of(const std::string& dim) const {
   if (has_group(dim)) return layout_->group_dims.at(dim);
   std::string known;
   for (const auto& name : kept_) known += (known.empty() ? "" : ", ") + name;
-  throw std::invalid_argument("mesh has no dimension '" + dim + "' (it has: " + known + ")");
+  C10_THROW_ERROR(ValueError, "mesh has no dimension '" + dim + "' (it has: " + known + ")");
 }
 
 int64_t DeviceMesh::size(const std::string& dim) const {
@@ -150,8 +151,8 @@ const GroupPtr& DeviceMesh::group(const std::string& dim) const {
   for (const auto& [name, span] : layout_->group_dims) {
     if (spans_kept_dims(span)) known += (known.empty() ? "" : ", ") + name;
   }
-  throw std::invalid_argument("mesh has no dimension or flattened group '" + dim +
-                              "' (it has: " + known + ")");
+  C10_THROW_ERROR(ValueError,
+                  "mesh has no dimension or flattened group '" + dim + "' (it has: " + known + ")");
 }
 
 std::vector<int64_t> DeviceMesh::group_ranks(const std::string& dim) const {
@@ -169,24 +170,24 @@ std::vector<size_t> DeviceMesh::spans_of(const std::vector<std::string>& dims,
   }
   std::sort(span.begin(), span.end());
   if (std::adjacent_find(span.begin(), span.end()) != span.end()) {
-    throw std::invalid_argument(std::string(operation) +
-                                ": a dimension is listed twice (directly or inside a "
-                                "flattened one)");
+    C10_THROW_ERROR(ValueError, std::string(operation) +
+                                    ": a dimension is listed twice (directly or inside a "
+                                    "flattened one)");
   }
   return span;
 }
 
 const GroupPtr& DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
-  if (dims.empty()) throw std::invalid_argument("flatten needs at least one dimension");
-  if (name.empty()) throw std::invalid_argument("flatten needs a non-empty name");
+  if (dims.empty()) C10_THROW_ERROR(ValueError, "flatten needs at least one dimension");
+  if (name.empty()) C10_THROW_ERROR(ValueError, "flatten needs a non-empty name");
   if (layout_->group_dims.count(name)) {
-    throw std::invalid_argument("flatten: the name '" + name + "' is already used by this mesh");
+    C10_THROW_ERROR(ValueError, "flatten: the name '" + name + "' is already used by this mesh");
   }
   return layout_->make_group(name, spans_of(dims, ("flatten '" + name + "'").c_str()));
 }
 
 DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
-  if (dims.empty()) throw std::invalid_argument("slice needs at least one dimension");
+  if (dims.empty()) C10_THROW_ERROR(ValueError, "slice needs at least one dimension");
   spans_of(dims, "slice");
   std::vector<std::string> kept = dims;
   // Mesh order: by the first root dim each one spans.

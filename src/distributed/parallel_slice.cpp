@@ -1,10 +1,10 @@
 #include "hyperparallel/parallel_slice.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <map>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 
 #include "hyperparallel/collectives.h"
@@ -29,13 +29,13 @@ std::map<const c10::TensorImpl*, Entry>& entries() {
 
 void declare_parallel_slice(const at::Tensor& param, ParallelSlice slice) {
   if (!param.defined()) {
-    throw std::invalid_argument("declare_parallel_slice: the parameter is undefined");
+    C10_THROW_ERROR(ValueError, "declare_parallel_slice: the parameter is undefined");
   }
   if (!slice.group || slice.group->size() == 1) return;
   if (slice.dim < 0 || slice.dim >= param.dim()) {
-    throw std::invalid_argument("declare_parallel_slice: dim " + std::to_string(slice.dim) +
-                                " is outside the parameter's " + std::to_string(param.dim()) +
-                                " dims");
+    C10_THROW_ERROR(ValueError, "declare_parallel_slice: dim " + std::to_string(slice.dim) +
+                                    " is outside the parameter's " + std::to_string(param.dim()) +
+                                    " dims");
   }
   std::lock_guard<std::mutex> lock(entries_mutex);
   auto& by_param = entries();

@@ -1,9 +1,10 @@
 #include "hyperparallel/process_group.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <stdexcept>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef HP_WITH_NCCL
@@ -85,28 +86,28 @@ void Group::shut_down() {
 
 c10d::Backend& Group::backend(c10::DeviceType device_type) const {
   if (shut_down_) {
-    throw std::logic_error("group '" + name_ +
-                           "' belongs to a World that was shut down (World::shutdown); "
-                           "collectives need a live World");
+    C10_THROW_ERROR(Error, "group '" + name_ +
+                               "' belongs to a World that was shut down (World::shutdown); "
+                               "collectives need a live World");
   }
   if (size() == 1) {
-    throw std::logic_error("group '" + name_ +
-                           "' has one rank and no backend; collectives "
-                           "on it must not communicate");
+    C10_THROW_ERROR(Error, "group '" + name_ +
+                               "' has one rank and no backend; collectives "
+                               "on it must not communicate");
   }
   if (device_type == c10::DeviceType::CPU && cpu_backend_) return *cpu_backend_;
   if (device_type == c10::DeviceType::CUDA && cuda_backend_) return *cuda_backend_;
   if (device_type == c10::DeviceType::CPU) {
-    throw std::invalid_argument("group '" + name_ +
-                                "' has no Gloo backend for CPU tensors: this GPU job was "
-                                "started without one (set WorldOptions::gloo_on_gpu), and "
-                                "collectives.h moves CPU tensors through the GPU");
+    C10_THROW_ERROR(ValueError, "group '" + name_ +
+                                    "' has no Gloo backend for CPU tensors: this GPU job was "
+                                    "started without one (set WorldOptions::gloo_on_gpu), and "
+                                    "collectives.h moves CPU tensors through the GPU");
   }
-  throw std::invalid_argument("group '" + name_ + "' has no backend for " +
-                              c10::DeviceTypeName(device_type) +
-                              " tensors (CPU uses Gloo; CUDA uses NCCL, which needs a LibTorch "
-                              "built with it and a CUDA device of this rank's own: "
-                              "cuda:LOCAL_RANK)");
+  C10_THROW_ERROR(ValueError, "group '" + name_ + "' has no backend for " +
+                                  c10::DeviceTypeName(device_type) +
+                                  " tensors (CPU uses Gloo; CUDA uses NCCL, which needs a LibTorch "
+                                  "built with it and a CUDA device of this rank's own: "
+                                  "cuda:LOCAL_RANK)");
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
@@ -135,7 +136,7 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   const std::chrono::milliseconds timeout =
       options.timeout.value_or(env.timeout.value_or(std::chrono::minutes(5)));
   if (timeout.count() <= 0) {
-    throw std::invalid_argument("WorldOptions::timeout must be positive");
+    C10_THROW_ERROR(ValueError, "WorldOptions::timeout must be positive");
   }
   // One deadline for the whole start-up: reaching the store and every rank arriving.
   const auto deadline = detail::Deadline::after(timeout);
@@ -192,24 +193,24 @@ GroupPtr World::new_group(const std::string& name, std::vector<int64_t> ranks) {
 int World::join(const std::string& name, std::vector<int64_t>& ranks, const std::string& operation,
                 std::chrono::steady_clock::time_point deadline) {
   if (shut_down_) {
-    throw std::logic_error("cannot create group '" + name +
-                           "': this World was shut down (World::shutdown)");
+    C10_THROW_ERROR(
+        Error, "cannot create group '" + name + "': this World was shut down (World::shutdown)");
   }
   if (groups_.count(name)) {
-    throw std::invalid_argument("a group named '" + name +
-                                "' already exists; group names identify rendezvous and "
-                                "must be unique");
+    C10_THROW_ERROR(ValueError, "a group named '" + name +
+                                    "' already exists; group names identify rendezvous and "
+                                    "must be unique");
   }
   std::sort(ranks.begin(), ranks.end());
   if (ranks.empty() || std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() ||
       ranks.front() < 0 || ranks.back() >= size_) {
-    throw std::invalid_argument("group '" + name + "': ranks must be distinct and in [0, " +
-                                std::to_string(size_) + ")");
+    C10_THROW_ERROR(ValueError, "group '" + name + "': ranks must be distinct and in [0, " +
+                                    std::to_string(size_) + ")");
   }
   auto me = std::find(ranks.begin(), ranks.end(), rank_);
   if (me == ranks.end()) {
-    throw std::invalid_argument("group '" + name + "' does not contain this rank (" +
-                                std::to_string(rank_) + "); only members create a group");
+    C10_THROW_ERROR(ValueError, "group '" + name + "' does not contain this rank (" +
+                                    std::to_string(rank_) + "); only members create a group");
   }
   // Every member arrives first, so that one missing is named (Gloo's own connection step
   // would only time out).

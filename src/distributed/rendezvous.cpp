@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "error_message.h"
 #include "hyperparallel/launch_env.h"
 
 namespace hp::detail {
@@ -104,17 +105,15 @@ std::vector<int64_t> decode_ranks(const std::vector<uint8_t>& bytes) {
   return ranks;
 }
 
-std::string without_backtrace(const std::exception& error) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
-    return c10_error->what_without_backtrace();
-  }
-  return error.what();
-}
-
 // Ranks started with settings that do not fit together (WORLD_SIZE, RANK): reported as
 // such, not as ranks missing or a store lost.
-struct LaunchMismatch : std::runtime_error {
-  using std::runtime_error::runtime_error;
+struct LaunchMismatch : c10::DistNetworkError {
+  using c10::DistNetworkError::DistNetworkError;
+};
+
+// The deadline of finish_by passed: its own report, not one to wrap in another.
+struct DeadlinePassed : c10::DistNetworkError {
+  using c10::DistNetworkError::DistNetworkError;
 };
 
 // What a rank stores on arriving: the size of the group it expects and a number of this
@@ -159,7 +158,7 @@ std::string first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
 }
 
 // Runs `work` on a thread of its own and returns its result, or throws
-// std::runtime_error(late()) when `at` passes first. For calls that have no deadline of
+// DeadlinePassed(late()) when `at` passes first. For calls that have no deadline of
 // their own: name resolution, and a TCPStore client facing a listener that accepts but
 // never answers. A late thread is left behind, holding only what `work` captured by value;
 // the caller is about to fail anyway.
@@ -190,7 +189,7 @@ T finish_by(Clock::time_point at, std::function<T()> work,
   }).detach();
   std::unique_lock lock(outcome->mutex);
   if (!outcome->finished.wait_until(lock, at, [&] { return outcome->done; })) {
-    throw std::runtime_error(late());
+    throw DeadlinePassed({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, late());
   }
   if (outcome->error) std::rethrow_exception(outcome->error);
   return std::move(*outcome->value);
@@ -208,10 +207,11 @@ std::string resolve_master(const LaunchEnv& env, const Deadline& deadline) {
         addrinfo* found = nullptr;
         const int status = getaddrinfo(name.c_str(), nullptr, &hints, &found);
         if (status != 0 || found == nullptr) {
-          throw std::invalid_argument(
-              "MASTER_ADDR='" + name + "' does not resolve to an IPv4 address (" +
-              gai_strerror(status) +
-              "); set MASTER_ADDR to an address or a resolvable host name of the rank-0 machine");
+          C10_THROW_ERROR(ValueError, "MASTER_ADDR='" + name +
+                                          "' does not resolve to an IPv4 address (" +
+                                          gai_strerror(status) +
+                                          "); set MASTER_ADDR to an address or a resolvable host "
+                                          "name of the rank-0 machine");
         }
         char text[INET_ADDRSTRLEN] = {};
         inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
@@ -247,7 +247,7 @@ std::string local_address_towards(const std::string& master, int port) {
                   connect(fd, reinterpret_cast<const sockaddr*>(&target), sizeof target) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
   if (fd >= 0) close(fd);
-  if (!ok) throw std::runtime_error("no network route to MASTER_ADDR=" + master);
+  if (!ok) C10_THROW_ERROR(DistNetworkError, "no network route to MASTER_ADDR=" + master);
   char text[INET_ADDRSTRLEN] = {};
   inet_ntop(AF_INET, &local.sin_addr, text, sizeof text);
   return text;
@@ -265,11 +265,12 @@ void check_port_free(const LaunchEnv& env) {
       bind(fd, reinterpret_cast<const sockaddr*>(&any), sizeof any) != 0 && errno == EADDRINUSE;
   close(fd);
   if (in_use) {
-    throw std::runtime_error(
+    C10_THROW_ERROR(
+        DistNetworkError,
         "rank 0 cannot host the store: MASTER_PORT=" + std::to_string(env.master_port) +
-        " is already in use on this machine (another program, or a run still going); pick a "
-        "free MASTER_PORT (hp-run picks one itself; under torchrun its agent hosts the store "
-        "and sets TORCHELASTIC_USE_AGENT_STORE=True)");
+            " is already in use on this machine (another program, or a run still going); pick a "
+            "free MASTER_PORT (hp-run picks one itself; under torchrun its agent hosts the store "
+            "and sets TORCHELASTIC_USE_AGENT_STORE=True)");
   }
 }
 
@@ -339,14 +340,16 @@ StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline) {
           return tcp_store;
         },
         [&] { return unreachable_store(env, address, deadline, ""); });
+  } catch (const DeadlinePassed&) {
+    throw;
   } catch (const c10::Error& error) {
     if (host) {
-      throw std::runtime_error(
-          "rank 0 cannot host the store on MASTER_PORT=" + std::to_string(env.master_port) + ": " +
-          error.what_without_backtrace());
+      C10_THROW_ERROR(DistNetworkError, "rank 0 cannot host the store on MASTER_PORT=" +
+                                            std::to_string(env.master_port) + ": " +
+                                            error.what_without_backtrace());
     }
-    throw std::runtime_error(
-        unreachable_store(env, address, deadline, error.what_without_backtrace()));
+    C10_THROW_ERROR(DistNetworkError,
+                    unreachable_store(env, address, deadline, error.what_without_backtrace()));
   }
   if (env.agent_store) {
     // The agent's store outlives a failed attempt; a restarted one must not see its keys.
@@ -440,9 +443,9 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
         } catch (const LaunchMismatch&) {
           throw;
         } catch (const std::exception& error) {
-          throw std::runtime_error(operation + ": lost the connection to the store (" +
-                                   without_backtrace(error) + "): " + kStoreHost +
-                                   " has exited, or this machine is cut off from it");
+          C10_THROW_ERROR(DistNetworkError, operation + ": lost the connection to the store (" +
+                                                message_of(error) + "): " + kStoreHost +
+                                                " has exited, or this machine is cut off from it");
         }
       },
       [&] {
@@ -465,13 +468,15 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
         [] { return std::string("the store did not answer"); });
   } catch (const std::exception&) {  // the missing ranks are the news; this is a detail
   }
-  throw std::runtime_error(
+  C10_THROW_ERROR(
+      DistNetworkError,
       operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
-      ranks_text(missing) + " of " + std::to_string(ranks.size()) + " did not arrive" +
-      (duplicated.empty() ? "" : " (and two processes arrived as " + ranks_text(duplicated) + ")") +
-      ". Start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and a RANK of "
-      "its own, or " +
-      kRaiseTimeout);
+          ranks_text(missing) + " of " + std::to_string(ranks.size()) + " did not arrive" +
+          (duplicated.empty() ? ""
+                              : " (and two processes arrived as " + ranks_text(duplicated) + ")") +
+          ". Start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and a RANK of "
+          "its own, or " +
+          kRaiseTimeout);
 }
 
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
@@ -517,8 +522,8 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
                  ": " + kStoreHost + " is stopped, or this machine is cut off from it";
         });
   } catch (const std::exception& store_error) {
-    if (late) return failed + "; " + store_error.what() + advice;
-    return failed + "; the store is unreachable too (" + without_backtrace(store_error) +
+    if (late) return failed + "; " + message_of(store_error) + advice;
+    return failed + "; the store is unreachable too (" + message_of(store_error) +
            "): " + kStoreHost + " has exited, or this machine is cut off from it" + advice;
   }
   if (absent.empty()) return failed + "; every rank of the group saw it fail" + advice;

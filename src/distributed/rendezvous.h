@@ -37,13 +37,13 @@ struct StoreConnection {
 // Resolves MASTER_ADDR, then hosts the store (rank 0, unless torchrun's agent hosts it,
 // see LaunchEnv::agent_store) or connects to it, by `deadline`; `deadline.timeout` also
 // becomes the store's timeout for later waits. Under torchrun's agent store the keys of
-// each attempt (TORCHELASTIC_RESTART_COUNT) are kept apart. Throws std::runtime_error
-// (std::invalid_argument for a name that does not resolve) naming the variable or the
+// each attempt (TORCHELASTIC_RESTART_COUNT) are kept apart. Throws c10::DistNetworkError
+// (c10::ValueError for a name that does not resolve) naming the variable or the
 // rank at fault.
 StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline);
 
 // Marks `rank` arrived under `key_prefix` and waits until every rank of `ranks` (global
-// ranks) has, by `deadline`. Throws std::runtime_error naming `operation`, the ranks that
+// ranks) has, by `deadline`. Throws c10::DistNetworkError naming `operation`, the ranks that
 // did not arrive and how to raise the timeout. On a failed join every rank names the same
 // missing ranks: the lowest rank's verdict, which it keeps answering for up to 2 s past
 // its deadline so that ranks started later (their deadlines later) can still read it.

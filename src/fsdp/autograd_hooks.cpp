@@ -3,16 +3,14 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include "../distributed/autograd_capsule.h"
 #include "fsdp_state.h"
 
 namespace hp::detail {
 namespace {
 
 // Carries the state through the autograd context without keeping it alive.
-struct StateRef : torch::CustomClassHolder {
-  explicit StateRef(std::weak_ptr<FSDPState> s) : state(std::move(s)) {}
-  std::weak_ptr<FSDPState> state;
-};
+using StateRef = AutogradCapsule<std::weak_ptr<FSDPState>>;
 
 struct PostBackward : torch::autograd::Function<PostBackward> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -26,8 +24,7 @@ struct PostBackward : torch::autograd::Function<PostBackward> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto holder = ctx->saved_data["state"].toCapsule();
-    if (auto state = static_cast<StateRef*>(holder.get())->state.lock()) {
+    if (auto state = StateRef::in(ctx->saved_data["state"]).lock()) {
       state->post_backward_hook_fired();
     }
     grads.emplace_back();  // for the StateRef argument

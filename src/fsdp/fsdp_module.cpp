@@ -2,8 +2,7 @@
 // states of the module's subtree).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-
-#include <stdexcept>
+#include <c10/util/Exception.h>
 
 #include "fsdp_state.h"
 #include "hyperparallel/fully_shard.h"
@@ -42,7 +41,7 @@ at::Tensor whole_of(const at::Tensor& variable, const at::Tensor& value) {
 }  // namespace
 
 FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {
-  if (!state_) throw std::invalid_argument("FSDPModule needs a fully_shard state");
+  if (!state_) C10_THROW_ERROR(ValueError, "FSDPModule needs a fully_shard state");
 }
 
 CommHandle FSDPModule::unshard(bool async_op) {
@@ -123,9 +122,9 @@ at::Tensor FSDPModule::full_tensor(const std::string& name) const {
   for (const auto& r : state_->param_group().replicated()) {
     if (r.name == name) return whole_of(r.variable, r.variable.detach().clone());
   }
-  throw std::invalid_argument("no parameter '" + name +
-                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
-                              ")");
+  C10_THROW_ERROR(ValueError,
+                  "no parameter '" + name +
+                      "' in this fully_shard-ed module (it has: " + known_names(*state_) + ")");
 }
 
 at::Tensor FSDPModule::full_grad(const std::string& name) const {
@@ -146,16 +145,16 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
                                          : at::Tensor();
     }
   }
-  throw std::invalid_argument("no parameter '" + name +
-                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
-                              ")");
+  C10_THROW_ERROR(ValueError,
+                  "no parameter '" + name +
+                      "' in this fully_shard-ed module (it has: " + known_names(*state_) + ")");
 }
 
 at::Tensor FSDPModule::main_grad(const std::string& name) const {
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) return p->main_grad();
-  throw std::invalid_argument("no sharded parameter '" + name +
-                              "' in this fully_shard-ed module (it has: " + known_names(*state_) +
-                              ")");
+  C10_THROW_ERROR(ValueError,
+                  "no sharded parameter '" + name +
+                      "' in this fully_shard-ed module (it has: " + known_names(*state_) + ")");
 }
 
 }  // namespace hp

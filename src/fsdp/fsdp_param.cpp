@@ -2,9 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <stdexcept>
 
 #include "../deferred_init/deferred_init_engine.h"
 #include "../distributed/tensor_storage.h"
@@ -12,11 +12,11 @@
 
 namespace hp::detail {
 
-ShardLayout::ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t world_size,
+ShardLayout::ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t shard_count,
                          int64_t rank_in_group)
-    : global_shape(std::move(shape)), dim(shard_dim), world(world_size), rank(rank_in_group) {
+    : global_shape(std::move(shape)), dim(shard_dim), shards(shard_count), rank(rank_in_group) {
   const int64_t size = global_shape.at(dim);
-  chunk = (size + world - 1) / world;
+  chunk = (size + shards - 1) / shards;
   local = std::clamp<int64_t>(size - rank * chunk, 0, chunk);
   padded_local_shape = global_shape;
   padded_local_shape[dim] = chunk;
@@ -38,9 +38,9 @@ int64_t ShardLayout::length_of(int64_t r) const {
 
 void ShardLayout::copy_from_rank_major(const at::Tensor& rank_major, const at::Tensor& full) const {
   std::vector<int64_t> by_rank = padded_local_shape;
-  by_rank.insert(by_rank.begin(), world);
+  by_rank.insert(by_rank.begin(), shards);
   const at::Tensor chunks = rank_major.view(by_rank);
-  for (int64_t r = 0; r < world && length_of(r) > 0; ++r) {
+  for (int64_t r = 0; r < shards && length_of(r) > 0; ++r) {
     full.narrow(dim, r * chunk, length_of(r)).copy_(chunks[r].narrow(dim, 0, length_of(r)));
   }
 }
@@ -67,11 +67,11 @@ c10::Device compute_device_for(const at::Tensor& variable, c10::Device mesh_devi
 
 }  // namespace
 
-FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_world,
+FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_count,
                      int64_t shard_rank, ParamPolicy policy)
     : name_(std::move(name)),
       variable_(std::move(variable)),
-      layout_(variable_.sizes().vec(), shard_dim, shard_world, shard_rank),
+      layout_(variable_.sizes().vec(), shard_dim, shard_count, shard_rank),
       orig_dtype_(variable_.scalar_type()),
       param_dtype_(policy.param_dtype.value_or(variable_.scalar_type())),
       policy_(policy),
@@ -90,9 +90,9 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
     const at::TensorOptions options =
         shard_options.device(compute_device_).dtype(param_dtype_).pinned_memory(false);
     if (gathers_in_place()) {
-      unsharded_flat_ = at::empty({layout_.world * layout_.padded_numel}, options);
+      unsharded_flat_ = at::empty({layout_.shards * layout_.padded_numel}, options);
       std::vector<int64_t> padded_full = layout_.padded_local_shape;
-      padded_full[0] = layout_.chunk * layout_.world;
+      padded_full[0] = layout_.chunk * layout_.shards;
       unsharded_param_ = unsharded_flat_.view(padded_full).narrow(0, 0, layout_.global_shape[0]);
     } else {
       unsharded_param_ = at::empty(layout_.global_shape, options);
@@ -116,18 +116,19 @@ void FSDPParam::report_gradients_on_shard() {
   variable_.register_hook([watched, name = name_](const at::Tensor&) {
     auto status = watched.lock();
     if (!status || status->unsharded) return;
-    throw std::logic_error(
+    C10_THROW_ERROR(
+        Error,
         "parameter '" + name + "' of the fully_shard-ed module '" + status->owner +
-        "' got a gradient while sharded: the module's forward ran without fully_shard's hooks "
-        "(called through its plain holder: module->forward(x), a torch::nn::Sequential, or "
-        "iterating a ModuleList), so the gradient would not be reduced across ranks. Call it "
-        "through its hp::Sharded<...> as module(x), e.g. keep the blocks in a "
-        "std::vector<hp::Sharded<Block>> and call each element");
+            "' got a gradient while sharded: the module's forward ran without fully_shard's hooks "
+            "(called through its plain holder: module->forward(x), a torch::nn::Sequential, or "
+            "iterating a ModuleList), so the gradient would not be reduced across ranks. Call it "
+            "through its hp::Sharded<...> as module(x), e.g. keep the blocks in a "
+            "std::vector<hp::Sharded<Block>> and call each element");
   });
 }
 
 bool FSDPParam::unsharded_aliases_shard() const {
-  return layout_.world == 1 && param_dtype_ == orig_dtype_ &&
+  return layout_.shards == 1 && param_dtype_ == orig_dtype_ &&
          padded_shard_.device() == compute_device_;
 }
 
@@ -145,13 +146,13 @@ void FSDPParam::load_local(const at::Tensor& local) {
 
 at::Tensor gather_whole(const FSDPParam& p, const CommBuffer& padded, const Group& shard_group) {
   const at::Tensor& part = padded.tensor;
-  at::Tensor gathered = at::empty({part.numel() * p.layout().world}, part.options());
+  at::Tensor gathered = at::empty({part.numel() * p.layout().shards}, part.options());
   all_gather(gathered, part, shard_group).wait();
   if (padded.owned) free_storage(part);
   const ShardLayout& l = p.layout();
   if (l.dim == 0) {  // rank-major is the padded whole tensor: no copy
     std::vector<int64_t> padded_whole = l.padded_local_shape;
-    padded_whole[0] = l.chunk * l.world;
+    padded_whole[0] = l.chunk * l.shards;
     return gathered.view(padded_whole).narrow(0, 0, l.global_shape[0]);
   }
   at::Tensor whole = at::empty(l.global_shape, part.options());
@@ -170,7 +171,7 @@ CommBuffer FSDPParam::all_gather_input() const {
 }
 
 at::Tensor FSDPParam::all_gather_output() {
-  const int64_t numel = layout_.world * layout_.padded_numel;
+  const int64_t numel = layout_.shards * layout_.padded_numel;
   if (!gathers_in_place()) return at::empty({numel}, unsharded_param_.options());
   allocate_storage(unsharded_flat_, numel * unsharded_flat_.element_size());
   return unsharded_flat_;
@@ -181,7 +182,7 @@ void FSDPParam::copy_out(const at::Tensor& rank_major) {
   if (rank_major.is_same(unsharded_flat_)) return;  // gathered in place
   allocate_storage(unsharded_flat_, unsharded_flat_.numel() * unsharded_flat_.element_size());
   if (gathers_in_place()) {
-    const std::vector<int64_t> by_rank = {layout_.world, layout_.padded_numel};
+    const std::vector<int64_t> by_rank = {layout_.shards, layout_.padded_numel};
     unsharded_flat_.view(by_rank).copy_(rank_major.view(by_rank));
   } else {
     layout_.copy_from_rank_major(rank_major, unsharded_param_);
@@ -193,7 +194,7 @@ void FSDPParam::unshard_locally() {
 }
 
 at::Tensor FSDPParam::post_forward_part(int64_t index, int64_t parts) const {
-  const int64_t count = layout_.world / parts;
+  const int64_t count = layout_.shards / parts;
   if (gathers_in_place()) {
     const int64_t length = count * layout_.padded_numel;
     return unsharded_flat_.narrow(0, index * length, length).clone();
@@ -210,11 +211,12 @@ int64_t FSDPParam::unsharded_bytes() const {
 
 void FSDPParam::check_variable_holds_shard() const {
   if (status_->unsharded || variable_.is_alias_of(padded_shard_)) return;
-  throw std::logic_error(
+  C10_THROW_ERROR(
+      Error,
       "parameter '" + name_ +
-      "' no longer holds its local shard: something outside fully_shard replaced its data "
-      "(module->to(), set_data). Move or cast the model before calling fully_shard; for "
-      "lower-precision compute use mp_policy, for host memory offload_policy");
+          "' no longer holds its local shard: something outside fully_shard replaced its data "
+          "(module->to(), set_data). Move or cast the model before calling fully_shard; for "
+          "lower-precision compute use mp_policy, for host memory offload_policy");
 }
 
 void FSDPParam::install_unsharded() {
@@ -272,7 +274,7 @@ CommBuffer FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_grad,
   // Ownership follows from the code path, never from comparing storage pointers: .to()
   // allocates only when the dtype changes; view() never does; padding always does.
   CommBuffer input;
-  const bool aligned = l.global_shape[l.dim] == l.chunk * l.world;
+  const bool aligned = l.global_shape[l.dim] == l.chunk * l.shards;
   if (l.dim == 0 && aligned && unsharded_grad.is_contiguous()) {
     input.tensor = unsharded_grad.to(reduce_dtype).view(-1);
     input.owned = reduce_dtype != unsharded_grad.scalar_type();
@@ -281,8 +283,8 @@ CommBuffer FSDPParam::reduce_scatter_input(const at::Tensor& unsharded_grad,
   // Padding is reduced along with the gradient, so it must be zero. The cast, if any,
   // happens in the same copy.
   input.tensor =
-      at::zeros({l.world * l.padded_numel}, unsharded_grad.options().dtype(reduce_dtype));
-  l.copy_to_rank_major(unsharded_grad, input.tensor, 0, l.world);
+      at::zeros({l.shards * l.padded_numel}, unsharded_grad.options().dtype(reduce_dtype));
+  l.copy_to_rank_major(unsharded_grad, input.tensor, 0, l.shards);
   input.owned = true;
   return input;
 }
@@ -311,10 +313,10 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, bool partial)
   at::Tensor& grad = sharded_grad();
   if (!grad.defined()) grad_is_partial_ = false;  // cleared since (optimizer zero_grad)
   if (partial && grad.defined() && !grad_is_partial_) {
-    throw std::logic_error(
-        "parameter '" + name_ +
-        "': a gradient that was not all-reduced (set_requires_all_reduce"
-        "(false)) would be added to one that was; call zero_grad() before turning all-reduce off");
+    C10_THROW_ERROR(Error, "parameter '" + name_ +
+                               "': a gradient that was not all-reduced (set_requires_all_reduce"
+                               "(false)) would be added to one that was; call zero_grad() before "
+                               "turning all-reduce off");
   }
   if (policy_.fp32_main_grad) {
     // The main grad is the parameter's gradient; once something else (an optimizer's

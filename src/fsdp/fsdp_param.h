@@ -33,26 +33,26 @@ struct ParamPolicy {
   c10::Device mesh_device = c10::Device(c10::DeviceType::CPU);
 };
 
-// Where dim `dim` of `global_shape` is cut into `world` chunks of `chunk` entries; this
+// Where dim `dim` of `global_shape` is cut into `shards` chunks of `chunk` entries; this
 // rank holds `local` of them (the last ranks may hold fewer, or none: padding).
 struct ShardLayout {
   std::vector<int64_t> global_shape;
   int64_t dim = 0;
-  int64_t world = 1;
+  int64_t shards = 1;  // the shard group's size
   int64_t rank = 0;
   int64_t chunk = 0;
   int64_t local = 0;
   std::vector<int64_t> padded_local_shape;  // global shape with dim -> chunk
   int64_t padded_numel = 0;
 
-  ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t world_size,
+  ShardLayout(std::vector<int64_t> shape, int64_t shard_dim, int64_t shard_count,
               int64_t rank_in_group);
   std::vector<int64_t> local_shape() const;
   // Where this rank's part starts along `dim` (its `local` entries follow).
   int64_t start() const;
   // Entries of rank r's chunk along `dim` (fewer for the last ranks, 0 for padding).
   int64_t length_of(int64_t r) const;
-  // Copies a rank-major [world x padded_numel] gather into `full` (global shape).
+  // Copies a rank-major [shards x padded_numel] gather into `full` (global shape).
   void copy_from_rank_major(const at::Tensor& rank_major, const at::Tensor& full) const;
   // Copies the chunks of ranks [first, first + count) of `full` into `rank_major`
   // ([count x padded_numel]); its padding is left untouched.
@@ -70,7 +70,7 @@ struct CommBuffer {
 
 class FSDPParam {
  public:
-  FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_world,
+  FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, int64_t shard_count,
             int64_t shard_rank, ParamPolicy policy);
 
   const std::string& name() const { return name_; }
@@ -90,7 +90,7 @@ class FSDPParam {
   // The padded shard in param dtype, on the compute device: the all-gather input (the
   // shard itself when no cast or move is needed).
   CommBuffer all_gather_input() const;
-  // Where a [world x padded_numel] rank-major all-gather of this parameter should land:
+  // Where a [shards x padded_numel] rank-major all-gather of this parameter should land:
   // the unsharded storage itself for Shard(0) (allocated now), so that no copy-out is
   // needed; a new buffer otherwise. `gathers_in_place()` tells which.
   at::Tensor all_gather_output();
@@ -109,8 +109,8 @@ class FSDPParam {
   bool is_unsharded() const { return status_->unsharded; }
   // The fully_shard-ed module's path, for error messages.
   void set_owner(std::string owner) { status_->owner = std::move(owner); }
-  // Ranks [index * world / parts, (index + 1) * world / parts) of the rank-major
-  // unsharded data (a copy, [world / parts x padded_numel]): what this rank keeps after
+  // Ranks [index * shards / parts, (index + 1) * shards / parts) of the rank-major
+  // unsharded data (a copy, [shards / parts x padded_numel]): what this rank keeps after
   // forward when resharding to a group of `parts` ranks.
   at::Tensor post_forward_part(int64_t index, int64_t parts) const;
   // Bytes the unsharded storage holds now (0 once freed, or when it aliases the shard).
@@ -138,7 +138,7 @@ class FSDPParam {
   at::Tensor take_unsharded_grad();
   // Keeps an unsharded gradient for a later synchronising backward.
   void keep_unsharded_grad(at::Tensor grad);
-  // The gradient laid out for reduce-scatter: [world x padded_numel], rank-major.
+  // The gradient laid out for reduce-scatter: [shards x padded_numel], rank-major.
   CommBuffer reduce_scatter_input(const at::Tensor& unsharded_grad,
                                   c10::ScalarType reduce_dtype) const;
   c10::ScalarType reduce_dtype(const at::Tensor& unsharded_grad) const;
@@ -190,7 +190,7 @@ class FSDPParam {
   };
   std::shared_ptr<Status> status_ = std::make_shared<Status>();
   // The persistent unsharded parameter (global shape, param dtype) and its storage seen
-  // flat: [world x padded_numel] rank-major for Shard(0) (the all-gather lands in it),
+  // flat: [shards x padded_numel] rank-major for Shard(0) (the all-gather lands in it),
   // [numel] otherwise. Undefined when unsharding aliases the shard.
   at::Tensor unsharded_param_;
   at::Tensor unsharded_flat_;

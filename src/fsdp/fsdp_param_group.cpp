@@ -1,9 +1,9 @@
 #include "fsdp_param_group.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <exception>
-#include <stdexcept>
 #include <utility>
 
 #include "fsdp_collectives.h"
@@ -33,10 +33,11 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
   if (comm_fusion_) {
     for (const auto& p : params_) {
       if (p->param_dtype() != params_.front()->param_dtype()) {
-        throw std::invalid_argument(
+        C10_THROW_ERROR(
+            ValueError,
             "comm_fusion packs all parameters of a module into one buffer, but '" + p->name() +
-            "' and '" + params_.front()->name() +
-            "' have different dtypes; set mp_policy.param_dtype or turn comm_fusion off");
+                "' and '" + params_.front()->name() +
+                "' have different dtypes; set mp_policy.param_dtype or turn comm_fusion off");
       }
     }
   }
@@ -199,7 +200,7 @@ void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
 
 void FSDPParamGroup::start_reduce(const ReduceSettings& settings) {
   if (pending_) {
-    throw std::logic_error("a gradient reduction is still pending for this module");
+    C10_THROW_ERROR(Error, "a gradient reduction is still pending for this module");
   }
   pending_.emplace();
   try {

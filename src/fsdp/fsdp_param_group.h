@@ -75,6 +75,7 @@ class FSDPParamGroup {
   // Reshards keeping 1/k of each parameter; the next unshard gathers within `group`.
   void set_post_forward_group(GroupPtr group) { post_forward_group_ = std::move(group); }
   bool has_post_forward_group() const { return post_forward_group_ != nullptr; }
+  const GroupPtr& post_forward_group() const { return post_forward_group_; }
   void reshard_to_post_forward_group();
   bool is_unsharded() const { return state_ == State::kUnsharded; }
 

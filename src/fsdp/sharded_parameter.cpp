@@ -1,5 +1,5 @@
 // ShardedParameter: the public view of an FSDPParam, for the training features built on
-// fully_shard (src/train), which see only this.
+// fully_shard (materialize, checkpoints, clip_grad), which see only this.
 #include "hyperparallel/sharded_parameter.h"
 
 #include "fsdp_param.h"
@@ -74,7 +74,7 @@ void ShardedParameter::set_local(const at::Tensor& local) const {
 }
 
 std::optional<ShardedParameter> sharded_parameter_of(const at::Tensor& variable) {
-  auto [state, param] = detail::sharded_param_of(variable);
+  auto [state, param] = detail::find_fsdp_param(variable);
   if (!state) return std::nullopt;
   return ShardedParameter(std::move(state), param);
 }

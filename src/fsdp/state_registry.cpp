@@ -1,20 +1,19 @@
 // Which modules are fully_shard-ed (module -> state) and which parameters (variable ->
 // state and FSDPParam). Forward calls reach us through Sharded<M>, which knows only the
-// module, and the training features (src/train) through a parameter variable, so the
-// links live here. The registry owns
-// nothing: a module owns its state through a child module (LibTorch modules have no
-// other slot for foreign state), so dropping the model frees its shards, buffers and
-// process groups.
+// module, and the features built on fully_shard (materialize, checkpoints, clip_grad)
+// through a parameter variable, so the links live here. The registry owns nothing: a module owns
+// its state through a child module (LibTorch modules have no other slot for foreign state), so
+// dropping the model frees its shards, buffers and process groups.
 #include "state_registry.h"
 
+#include <c10/util/Exception.h>
+
 #include <mutex>
-#include <stdexcept>
 #include <unordered_map>
 
 #include "fsdp_param.h"
 #include "fsdp_param_group.h"
 #include "fsdp_state.h"
-#include "hyperparallel/fully_shard.h"
 
 namespace hp::detail {
 namespace {
@@ -64,8 +63,8 @@ void register_state(const std::shared_ptr<torch::nn::Module>& module,
   auto& entries = registry();
   std::erase_if(entries, [](const auto& item) { return expired(item.second); });
   if (entries.count(module.get())) {
-    throw std::invalid_argument("fully_shard was already applied to this module (" +
-                                module->name() + "); apply it once per module");
+    C10_THROW_ERROR(ValueError, "fully_shard was already applied to this module (" +
+                                    module->name() + "); apply it once per module");
   }
   entries[module.get()] = Entry{module, state};
   auto& params = param_registry();
@@ -93,39 +92,13 @@ std::shared_ptr<FSDPState> state_of(const torch::nn::Module* module) {
   return found->second.state.lock();
 }
 
-std::pair<std::shared_ptr<FSDPState>, FSDPParam*> sharded_param_of(const at::Tensor& variable) {
+std::pair<std::shared_ptr<FSDPState>, FSDPParam*> find_fsdp_param(const at::Tensor& variable) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto found = param_registry().find(variable.unsafeGetTensorImpl());
   if (found == param_registry().end()) return {nullptr, nullptr};
   auto state = found->second.state.lock();
   if (!state) return {nullptr, nullptr};
   return {std::move(state), found->second.param};
-}
-
-ForwardHooks::ForwardHooks(const torch::nn::Module* module) : state_(state_of(module)) {}
-
-ForwardHooks::~ForwardHooks() {
-  if (forward_running_) state_->forward_failed();
-}
-
-void ForwardHooks::before(const std::vector<at::Tensor*>& inputs) {
-  state_->pre_forward(inputs);
-  forward_running_ = true;
-}
-
-void ForwardHooks::after(const std::vector<at::Tensor*>& outputs) {
-  forward_running_ = false;  // post_forward keeps the state consistent itself
-  state_->post_forward(outputs);
-}
-
-FSDPModule fsdp_module_of(const torch::nn::Module* module) {
-  auto state = state_of(module);
-  if (!state) {
-    throw std::logic_error(
-        "this module was not fully_shard-ed; call hp::fully_shard(module) "
-        "before using its FSDP interface");
-  }
-  return FSDPModule(std::move(state));
 }
 
 }  // namespace hp::detail

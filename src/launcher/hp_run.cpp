@@ -2,6 +2,8 @@
 // stops all of them as soon as one fails (see launcher.h); with
 // --max-restarts, starts all of them again after a failure.
 
+#include <c10/util/Exception.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
@@ -9,7 +11,6 @@
 #include <cstdlib>
 #include <exception>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -33,10 +34,6 @@ constexpr const char* kFooter =
     "that is not an option) and pass to every rank untouched.\n\n"
     "exit status: 0 when every rank succeeds, else the exit status of the first rank that "
     "failed (128+N for signal N), 124 on timeout, 2 on a usage error.";
-
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 struct Args {
   hp::LaunchOptions options;
@@ -85,15 +82,15 @@ Args parse_args(int argc, char** argv) {
     args.help_text = app.help();
     return args;
   } catch (const CLI::ParseError& error) {
-    throw UsageError(error.what());
+    C10_THROW_ERROR(ValueError, error.what());
   }
   args.options.command = app.remaining();
   if (!args.options.command.empty() && args.options.command.front() == "--") {
     args.options.command.erase(args.options.command.begin());
   } else if (!args.options.command.empty() && args.options.command.front().starts_with("-")) {
-    throw UsageError("unknown option '" + args.options.command.front() + "'");
+    C10_THROW_ERROR(ValueError, "unknown option '" + args.options.command.front() + "'");
   }
-  if (args.options.command.empty()) throw UsageError("no program to run");
+  if (args.options.command.empty()) C10_THROW_ERROR(ValueError, "no program to run");
   if (args.timeout_s > 0) {
     // Rounded up so that a tiny positive timeout does not become 0 ("no limit").
     args.options.timeout =
@@ -122,9 +119,9 @@ int main(int argc, char** argv) {
   Args args;
   try {
     args = parse_args(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "hp-run: %s\n%s\nTry 'hp-run --help' for more information.\n", e.what(),
-                 kUsage);
+  } catch (const c10::ValueError& e) {
+    std::fprintf(stderr, "hp-run: %s\n%s\nTry 'hp-run --help' for more information.\n",
+                 e.what_without_backtrace(), kUsage);
     return kUsageExit;
   }
   if (args.help) {
@@ -143,6 +140,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "hp-run: restarting all %d ranks (restart %d of %d)\n",
                    args.options.nprocs, restart + 1, args.max_restarts);
     }
+  } catch (const c10::Error& e) {  // one line, not LibTorch's C++ backtrace
+    std::fprintf(stderr, "hp-run: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hp-run: %s\n", e.what());
     return 1;

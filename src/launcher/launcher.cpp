@@ -15,6 +15,8 @@
 #include <sys/prctl.h>
 #endif
 
+#include <c10/util/Exception.h>
+
 #include <array>
 #include <cerrno>
 #include <csignal>
@@ -22,7 +24,6 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -47,7 +48,7 @@ constexpr size_t kMaxPartialLine = 64 * 1024;
 constexpr size_t kReadChunk = 64 * 1024;
 
 [[noreturn]] void fail(const std::string& what) {
-  throw std::runtime_error("hp::launch_local: " + what);
+  C10_THROW_ERROR(Error, "hp::launch_local: " + what);
 }
 
 [[noreturn]] void fail_errno(const std::string& what, int err) {
@@ -183,8 +184,8 @@ std::pair<UniqueFd, int> bind_free_port(const std::string& addr) {
   hints.ai_flags = AI_PASSIVE;
   addrinfo* found = nullptr;
   if (const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found); rc != 0) {
-    throw std::runtime_error("hp::find_free_port: cannot resolve '" + addr +
-                             "': " + gai_strerror(rc));
+    C10_THROW_ERROR(Error,
+                    "hp::find_free_port: cannot resolve '" + addr + "': " + gai_strerror(rc));
   }
   int err = 0;
   UniqueFd bound_fd;
@@ -205,8 +206,8 @@ std::pair<UniqueFd, int> bind_free_port(const std::string& addr) {
   }
   freeaddrinfo(found);
   if (port < 0) {
-    throw std::runtime_error("hp::find_free_port: cannot bind to '" + addr +
-                             "': " + std::strerror(err));
+    C10_THROW_ERROR(Error,
+                    "hp::find_free_port: cannot bind to '" + addr + "': " + std::strerror(err));
   }
   return {std::move(bound_fd), port};
 }

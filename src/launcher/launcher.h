@@ -51,7 +51,7 @@ struct LaunchResult {
   std::vector<RankResult> ranks;
 };
 
-// Runs the ranks to completion. Throws std::runtime_error for bad options
+// Runs the ranks to completion. Throws c10::Error for bad options
 // (nprocs < 1, empty command), when the store cannot be hosted (master_port in use) or when
 // the processes cannot be started (e.g. the command cannot be executed); ranks already
 // started are killed first.

@@ -1,19 +1,20 @@
 // materialize(): gives the deferred parameters and buffers of a module their values,
 // replayed by the deferred-init engine or made by a user init function, one tensor at a
 // time: into fully_shard's shard for a sharded parameter, in place for any other tensor.
+#include "hyperparallel/materialize.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
 
 #include <optional>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../deferred_init/deferred_init_engine.h"
 #include "hyperparallel/deferred_init.h"
-#include "hyperparallel/materialize.h"
 #include "model_params.h"
 #include "whole_value.h"
 
@@ -94,10 +95,10 @@ void materialize(torch::nn::Module& module,
     }
     if (!whole.defined() || whole.sizes() != at::IntArrayRef(shape) ||
         whole.scalar_type() != target.tensor.scalar_type()) {
-      throw std::invalid_argument("materialize: the init function replaced parameter '" +
-                                  target.name + "' (shape " + c10::str(shape) + ", " +
-                                  c10::toString(target.tensor.scalar_type()) +
-                                  ") by another tensor; fill the tensor it is given in place");
+      C10_THROW_ERROR(ValueError, "materialize: the init function replaced parameter '" +
+                                      target.name + "' (shape " + c10::str(shape) + ", " +
+                                      c10::toString(target.tensor.scalar_type()) +
+                                      ") by another tensor; fill the tensor it is given in place");
     }
     deliver(target, whole, views[i]);
   }

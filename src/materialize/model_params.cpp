@@ -1,6 +1,6 @@
 #include "model_params.h"
 
-#include <stdexcept>
+#include <c10/util/Exception.h>
 
 #include "hyperparallel/process_group.h"
 
@@ -42,9 +42,9 @@ bool writes_whole_tensors(torch::nn::Module& model) {
 
 void require_sharded(const ShardedParameter& p, const std::string& name, const char* caller) {
   if (p.is_unsharded()) {
-    throw std::logic_error(std::string(caller) + ": parameter '" + name +
-                           "' is unsharded now (between a forward and its backward?); call "
-                           "it between steps, or reshard() first");
+    C10_THROW_ERROR(Error, std::string(caller) + ": parameter '" + name +
+                               "' is unsharded now (between a forward and its backward?); call "
+                               "it between steps, or reshard() first");
   }
 }
 

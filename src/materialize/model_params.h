@@ -39,7 +39,7 @@ std::vector<ModelParam> model_params(torch::nn::Module& model);
 // a parallel slice spans is written by every process that asks.
 bool writes_whole_tensors(torch::nn::Module& model);
 
-// Throws std::logic_error naming `caller` when the parameter holds unsharded data now.
+// Throws c10::Error naming `caller` when the parameter holds unsharded data now.
 void require_sharded(const ShardedParameter& p, const std::string& name, const char* caller);
 
 }  // namespace hp::detail

@@ -1,15 +1,16 @@
 #include "hyperparallel/context_parallel.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <limits>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "../distributed/autograd_capsule.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp {
@@ -17,18 +18,18 @@ namespace {
 
 const Group& require_group(const GroupPtr& group, const std::string& caller) {
   if (!group) {
-    throw std::invalid_argument(caller +
-                                ": no context-parallel group; pass the group the sequence is "
-                                "split over (e.g. mesh.group(\"cp\"))");
+    C10_THROW_ERROR(ValueError, caller +
+                                    ": no context-parallel group; pass the group the sequence is "
+                                    "split over (e.g. mesh.group(\"cp\"))");
   }
   return *group;
 }
 
 int64_t wrapped_dim(const at::Tensor& tensor, int64_t dim, const std::string& caller) {
   if (tensor.dim() == 0 || dim < -tensor.dim() || dim >= tensor.dim()) {
-    throw std::invalid_argument(caller + ": dim " + std::to_string(dim) +
-                                " is out of range for a tensor of " + std::to_string(tensor.dim()) +
-                                " dims");
+    C10_THROW_ERROR(ValueError, caller + ": dim " + std::to_string(dim) +
+                                    " is out of range for a tensor of " +
+                                    std::to_string(tensor.dim()) + " dims");
   }
   return dim < 0 ? dim + tensor.dim() : dim;
 }
@@ -59,33 +60,31 @@ void check_global_length(int64_t seq_len, int64_t ranks, SequenceLayout layout,
   if (seq_len >= 0 && seq_len % chunks == 0) return;
   const std::string n = std::to_string(chunks), cp = std::to_string(ranks);
   if (layout == SequenceLayout::kLoadBalanced) {
-    throw std::invalid_argument(caller + ": sequence length " + std::to_string(seq_len) +
-                                " is not divisible by 2 x cp = " + n +
-                                " (the load-balanced layout cuts it into 2 chunks per rank, cp = " +
-                                cp + "); pad or trim the sequence to a multiple of " + n +
-                                ", or use SequenceLayout::kContiguous (a multiple of " + cp + ")");
+    C10_THROW_ERROR(ValueError,
+                    caller + ": sequence length " + std::to_string(seq_len) +
+                        " is not divisible by 2 x cp = " + n +
+                        " (the load-balanced layout cuts it into 2 chunks per rank, cp = " + cp +
+                        "); pad or trim the sequence to a multiple of " + n +
+                        ", or use SequenceLayout::kContiguous (a multiple of " + cp + ")");
   }
-  throw std::invalid_argument(caller + ": sequence length " + std::to_string(seq_len) +
-                              " is not divisible by cp = " + n +
-                              " (the contiguous layout gives each rank one chunk); pad or trim "
-                              "the sequence to a multiple of " +
-                              n);
+  C10_THROW_ERROR(ValueError, caller + ": sequence length " + std::to_string(seq_len) +
+                                  " is not divisible by cp = " + n +
+                                  " (the contiguous layout gives each rank one chunk); pad or trim "
+                                  "the sequence to a multiple of " +
+                                  n);
 }
 
 // A rank's part of a load-balanced sequence is two equal chunks.
 void check_local_length(int64_t local_len, SequenceLayout layout, const std::string& caller) {
   if (layout != SequenceLayout::kLoadBalanced || local_len % 2 == 0) return;
-  throw std::invalid_argument(caller + ": this rank's part has " + std::to_string(local_len) +
-                              " tokens, but the load-balanced layout gives each rank 2 equal "
-                              "chunks, so it must be even; cut the sequence with "
-                              "hp::shard_sequence from a length divisible by 2 x cp");
+  C10_THROW_ERROR(ValueError, caller + ": this rank's part has " + std::to_string(local_len) +
+                                  " tokens, but the load-balanced layout gives each rank 2 equal "
+                                  "chunks, so it must be even; cut the sequence with "
+                                  "hp::shard_sequence from a length divisible by 2 x cp");
 }
 
 // Keeps the group alive in the autograd graph until backward has used it.
-struct GroupRef : torch::CustomClassHolder {
-  explicit GroupRef(GroupPtr g) : group(std::move(g)) {}
-  GroupPtr group;
-};
+using GroupRef = detail::AutogradCapsule<GroupPtr>;
 
 // Concatenation along dim 0 is what c10d's flat, rank-major all-gather produces.
 // Backward reduce-scatters the gradient (sum): every rank read each rank's part, so the
@@ -93,7 +92,7 @@ struct GroupRef : torch::CustomClassHolder {
 struct GatherAlongDim0 : torch::autograd::Function<GatherAlongDim0> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& local,
                             c10::intrusive_ptr<GroupRef> ref) {
-    const Group& group = *ref->group;
+    const Group& group = *ref->value;
     std::vector<int64_t> shape = local.sizes().vec();
     shape[0] *= group.size();
     at::Tensor gathered = at::empty(shape, local.options());
@@ -104,8 +103,7 @@ struct GatherAlongDim0 : torch::autograd::Function<GatherAlongDim0> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto holder = ctx->saved_data["group"].toCapsule();
-    const Group& group = *static_cast<GroupRef*>(holder.get())->group;
+    const Group& group = *GroupRef::in(ctx->saved_data["group"]);
     std::vector<int64_t> shape = grads[0].sizes().vec();
     shape[0] /= group.size();
     at::Tensor part = at::empty(shape, grads[0].options());
@@ -193,11 +191,11 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
   const std::string caller = "hp::context_parallel_attention";
   const Group& checked = require_group(group, caller);
   if (q.dim() != 4 || k.sizes() != q.sizes() || v.sizes() != q.sizes()) {
-    throw std::invalid_argument(caller +
-                                ": q, k and v must all be [batch, heads, local_seq, "
-                                "head_dim]; got q " +
-                                c10::str(q.sizes()) + ", k " + c10::str(k.sizes()) + ", v " +
-                                c10::str(v.sizes()));
+    C10_THROW_ERROR(ValueError, caller +
+                                    ": q, k and v must all be [batch, heads, local_seq, "
+                                    "head_dim]; got q " +
+                                    c10::str(q.sizes()) + ", k " + c10::str(k.sizes()) + ", v " +
+                                    c10::str(v.sizes()));
   }
   const int64_t local_len = q.size(2), head_dim = q.size(3);
   if (checked.size() > 1) check_local_length(local_len, options.layout, caller);

@@ -1,27 +1,25 @@
 #include "hyperparallel/expert_parallel.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <numeric>
-#include <stdexcept>
 #include <string>
 
+#include "../distributed/autograd_capsule.h"
 #include "hyperparallel/collectives.h"
 
 namespace hp {
 namespace {
 
 void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
+  if (!ok) C10_THROW_ERROR(ValueError, message);
 }
 
 // Carries the group through the autograd context.
-struct GroupRef : torch::CustomClassHolder {
-  explicit GroupRef(GroupPtr g) : group(std::move(g)) {}
-  GroupPtr group;
-};
+using GroupRef = detail::AutogradCapsule<GroupPtr>;
 
 at::Tensor exchange(const at::Tensor& input, const Group& group,
                     const std::vector<int64_t>& output_splits,
@@ -38,7 +36,7 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             c10::intrusive_ptr<GroupRef> ref, std::vector<int64_t> output_splits,
                             std::vector<int64_t> input_splits) {
-    at::Tensor output = exchange(input, *ref->group, output_splits, input_splits);
+    at::Tensor output = exchange(input, *ref->value, output_splits, input_splits);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
     ctx->saved_data["output_splits"] = output_splits;
     ctx->saved_data["input_splits"] = input_splits;
@@ -47,8 +45,7 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto holder = ctx->saved_data["group"].toCapsule();
-    const Group& group = *static_cast<GroupRef*>(holder.get())->group;
+    const Group& group = *GroupRef::in(ctx->saved_data["group"]);
     // What came from rank s goes back to it: the splits swap roles.
     at::Tensor grad_input = exchange(grads[0], group, ctx->saved_data["input_splits"].toIntVector(),
                                      ctx->saved_data["output_splits"].toIntVector());

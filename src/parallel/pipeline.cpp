@@ -2,9 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -18,8 +18,8 @@ constexpr int64_t kMaxDims = 8;
 
 void send_activation(const at::Tensor& activation, int64_t dst, const Group& group) {
   if (activation.dim() > kMaxDims) {
-    throw std::invalid_argument("pipeline: activations have at most " + std::to_string(kMaxDims) +
-                                " dims, got " + std::to_string(activation.dim()));
+    C10_THROW_ERROR(ValueError, "pipeline: activations have at most " + std::to_string(kMaxDims) +
+                                    " dims, got " + std::to_string(activation.dim()));
   }
   at::Tensor meta = at::zeros({kMaxDims + 2}, at::kLong);
   meta[0] = activation.dim();
@@ -43,9 +43,9 @@ at::Tensor recv_activation(int64_t src, const Group& group, const at::TensorOpti
 std::vector<at::Tensor> split_batch(const at::Tensor& batch, int64_t microbatches,
                                     const char* what) {
   if (batch.size(0) % microbatches != 0) {
-    throw std::invalid_argument(std::string("pipeline: the ") + what + " batch of " +
-                                std::to_string(batch.size(0)) + " is not divisible into " +
-                                std::to_string(microbatches) + " microbatches");
+    C10_THROW_ERROR(ValueError, std::string("pipeline: the ") + what + " batch of " +
+                                    std::to_string(batch.size(0)) + " is not divisible into " +
+                                    std::to_string(microbatches) + " microbatches");
   }
   return batch.chunk(microbatches, 0);
 }
@@ -56,13 +56,13 @@ GPipeSchedule::GPipeSchedule(
     PipelineStage stage, int64_t microbatches,
     std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_fn)
     : stage_(std::move(stage)), microbatches_(microbatches), loss_fn_(std::move(loss_fn)) {
-  if (!stage_.forward) throw std::invalid_argument("pipeline: the stage has no forward");
-  if (!stage_.group) throw std::invalid_argument("pipeline: the stage has no pipeline group");
+  if (!stage_.forward) C10_THROW_ERROR(ValueError, "pipeline: the stage has no forward");
+  if (!stage_.group) C10_THROW_ERROR(ValueError, "pipeline: the stage has no pipeline group");
   if (microbatches_ < 1) {
-    throw std::invalid_argument("pipeline: microbatches must be >= 1, got " +
-                                std::to_string(microbatches_));
+    C10_THROW_ERROR(ValueError,
+                    "pipeline: microbatches must be >= 1, got " + std::to_string(microbatches_));
   }
-  if (!loss_fn_) throw std::invalid_argument("pipeline: no loss function");
+  if (!loss_fn_) C10_THROW_ERROR(ValueError, "pipeline: no loss function");
 }
 
 PipelineStepResult GPipeSchedule::step(const at::Tensor& input, const at::Tensor& target) {
@@ -70,11 +70,11 @@ PipelineStepResult GPipeSchedule::step(const at::Tensor& input, const at::Tensor
   const int64_t stage = group.rank();
   const bool first = stage == 0, last = stage == group.size() - 1;
   if (first && !input.defined()) {
-    throw std::invalid_argument("pipeline: the first stage (pipeline rank 0) needs the input");
+    C10_THROW_ERROR(ValueError, "pipeline: the first stage (pipeline rank 0) needs the input");
   }
   if (last && !target.defined()) {
-    throw std::invalid_argument("pipeline: the last stage (pipeline rank " + std::to_string(stage) +
-                                ") needs the target");
+    C10_THROW_ERROR(ValueError, "pipeline: the last stage (pipeline rank " + std::to_string(stage) +
+                                    ") needs the target");
   }
   const auto inputs =
       first ? split_batch(input, microbatches_, "input") : std::vector<at::Tensor>();

@@ -1,5 +1,6 @@
 #include "hyperparallel/tensor_parallel.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/embedding.h>
 #include <torch/nn/functional/linear.h>
@@ -7,7 +8,6 @@
 #include <torch/torch.h>
 
 #include <cmath>
-#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -50,10 +50,10 @@ at::Tensor register_slice(torch::nn::Module& module, const std::string& name,
 
 void require_divisible(const char* layer, const char* what, int64_t value, const GroupPtr& group) {
   if (value % size_of(group) != 0) {
-    throw std::invalid_argument(std::string(layer) + ": " + what + " (" + std::to_string(value) +
-                                ") must be divisible by the tensor-parallel group size (" +
-                                std::to_string(size_of(group)) +
-                                "); choose sizes that split evenly over the group");
+    C10_THROW_ERROR(ValueError, std::string(layer) + ": " + what + " (" + std::to_string(value) +
+                                    ") must be divisible by the tensor-parallel group size (" +
+                                    std::to_string(size_of(group)) +
+                                    "); choose sizes that split evenly over the group");
   }
 }
 
@@ -190,18 +190,19 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& tokens) {
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                         const GroupPtr& group) {
   if (logits.dim() != 2 || target.dim() != 1 || logits.size(0) != target.size(0)) {
-    throw std::invalid_argument(
+    C10_THROW_ERROR(
+        ValueError,
         "vocab_parallel_cross_entropy: expects logits [N, vocab / tp] and target [N]; got "
         "logits " +
-        c10::str(logits.sizes()) + " and target " + c10::str(target.sizes()));
+            c10::str(logits.sizes()) + " and target " + c10::str(target.sizes()));
   }
   if (!is_parallel(group)) return torch::nn::functional::cross_entropy(logits, target);
   const int64_t part = logits.size(1);
   const int64_t vocab = part * group->size();
   if (target.numel() > 0 &&
       (target.min().item<int64_t>() < 0 || target.max().item<int64_t>() >= vocab)) {
-    throw std::invalid_argument("vocab_parallel_cross_entropy: target ids must lie in [0, " +
-                                std::to_string(vocab) + ") (the whole vocabulary)");
+    C10_THROW_ERROR(ValueError, "vocab_parallel_cross_entropy: target ids must lie in [0, " +
+                                    std::to_string(vocab) + ") (the whole vocabulary)");
   }
   at::Tensor x = logits.to(at::kFloat);
   // The shift only keeps exp() in range; it does not change the loss, so no gradient.

@@ -2,16 +2,16 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <memory>
 #include <sstream>
-#include <stdexcept>
 
-#include "recompute_scope.h"
 #include "../deferred_init/rng_snapshot.h"
+#include "recompute_scope.h"
 #include "saved_tensor_hooks.h"
 
 namespace hp {
@@ -64,7 +64,7 @@ class Region : public std::enable_shared_from_this<Region> {
     explicit Collect(Region& region) : region_(region) {}
     void call_pack_hook(const at::Tensor& t) override { region_.collect(t); }
     at::Tensor call_unpack_hook() override {
-      throw std::logic_error("recompute: the graph of a recompute is never backpropagated");
+      C10_THROW_ERROR(Error, "recompute: the graph of a recompute is never backpropagated");
     }
 
    private:
@@ -84,7 +84,7 @@ class Region : public std::enable_shared_from_this<Region> {
       what << ". A recomputed function must compute the same thing when rerun: same "
               "inputs, no module state changed between forward and backward, random "
               "draws reproduced (preserve_rng_state).";
-      throw std::runtime_error(what.str());
+      C10_THROW_ERROR(Error, what.str());
     }
     recomputed_[collected_++] = t.detach();
   }
@@ -101,10 +101,11 @@ class Region : public std::enable_shared_from_this<Region> {
       fn_(inputs_);
     }
     if (collected_ != saved_.size()) {
-      throw std::runtime_error(
-          "recompute: the recomputed region saved " + std::to_string(collected_) +
-          " tensors for backward where its forward saved " + std::to_string(saved_.size()) +
-          ". A recomputed function must compute the same thing when rerun.");
+      C10_THROW_ERROR(Error, "recompute: the recomputed region saved " +
+                                 std::to_string(collected_) +
+                                 " tensors for backward where its forward saved " +
+                                 std::to_string(saved_.size()) +
+                                 ". A recomputed function must compute the same thing when rerun.");
     }
   }
 
@@ -157,7 +158,8 @@ struct ReentrantRecompute : torch::autograd::Function<ReentrantRecompute> {
 
   static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
-      throw std::runtime_error(
+      C10_THROW_ERROR(
+          Error,
           "recompute (reentrant): gradients asked with torch::autograd::grad cannot pass "
           "a reentrant recompute; call backward(), or use RecomputeImpl::kNonReentrant");
     }
@@ -198,10 +200,10 @@ std::vector<at::Tensor> recompute_reentrant(const RecomputeFn& fn,
   bool any_requires_grad = false;
   for (const auto& t : inputs) any_requires_grad |= t.defined() && t.requires_grad();
   if (!any_requires_grad) {
-    throw std::invalid_argument(
-        "recompute (reentrant): no input requires grad, so backward would never reach "
-        "the region and its parameters would get no gradient; use "
-        "RecomputeImpl::kNonReentrant, or pass an input that requires grad");
+    C10_THROW_ERROR(ValueError,
+                    "recompute (reentrant): no input requires grad, so backward would never reach "
+                    "the region and its parameters would get no gradient; use "
+                    "RecomputeImpl::kNonReentrant, or pass an input that requires grad");
   }
   auto region = c10::make_intrusive<ReentrantRegion>();
   region->fn = fn;
@@ -213,7 +215,7 @@ std::vector<at::Tensor> recompute_reentrant(const RecomputeFn& fn,
 
 std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::Tensor>& inputs,
                                   const RecomputeOptions& options) {
-  if (!fn) throw std::invalid_argument("recompute: the function is empty");
+  if (!fn) C10_THROW_ERROR(ValueError, "recompute: the function is empty");
   if (!c10::GradMode::is_enabled()) return fn(inputs);  // no graph, nothing to save
   switch (options.impl) {
     case RecomputeImpl::kNonReentrant:
@@ -221,12 +223,12 @@ std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::T
     case RecomputeImpl::kReentrant:
       return recompute_reentrant(fn, inputs, options);
   }
-  throw std::invalid_argument("recompute: unknown RecomputeImpl");
+  C10_THROW_ERROR(ValueError, "recompute: unknown RecomputeImpl");
 }
 
 at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn,
                      const at::Tensor& input, const RecomputeOptions& options) {
-  if (!fn) throw std::invalid_argument("recompute: the function is empty");
+  if (!fn) C10_THROW_ERROR(ValueError, "recompute: the function is empty");
   // By value: the region keeps the function until backward.
   auto outputs = recompute(
       [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },

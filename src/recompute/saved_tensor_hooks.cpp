@@ -1,9 +1,9 @@
 #include "saved_tensor_hooks.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <mutex>
-#include <stdexcept>
 #include <vector>
 
 namespace hp::detail {
@@ -31,10 +31,10 @@ void install_hooks_engine() {
   std::call_once(installed, [] {
     using torch::autograd::Engine;
     if (&Engine::get_default_engine() != &Engine::get_base_engine()) {
-      throw std::runtime_error(
-          "saved-tensor hooks (non-reentrant activation recomputation) need LibTorch's "
-          "own autograd engine, but another one is installed (Python's, when torch is "
-          "imported into this process); use RecomputeImpl::kReentrant there");
+      C10_THROW_ERROR(Error,
+                      "saved-tensor hooks (non-reentrant activation recomputation) need LibTorch's "
+                      "own autograd engine, but another one is installed (Python's, when torch is "
+                      "imported into this process); use RecomputeImpl::kReentrant there");
     }
     torch::autograd::set_default_engine_stub(&hooks_engine);
   });

@@ -112,13 +112,13 @@ HP_DIST_TEST(ClipGrad, BadArgumentsAndNonFiniteNorm, 2) {
   fully_shard(layer, {});
   layer(torch::ones({2, 4})).sum().backward();
   const std::vector<at::Tensor> params = layer->parameters();
-  EXPECT_THROW(clip_grad_norm_(params, 0.0), std::invalid_argument);
-  EXPECT_THROW(clip_grad_norm_(params, 1.0, -1.0), std::invalid_argument);
+  EXPECT_THROW(clip_grad_norm_(params, 0.0), c10::ValueError);
+  EXPECT_THROW(clip_grad_norm_(params, 1.0, -1.0), c10::ValueError);
   layer->weight.mutable_grad().fill_(std::numeric_limits<float>::quiet_NaN());
   try {
     clip_grad_norm_(params, 1.0, 2.0, /*error_if_nonfinite=*/true);
     ADD_FAILURE() << "a NaN norm was not reported";
-  } catch (const std::runtime_error& error) {
+  } catch (const c10::Error& error) {
     EXPECT_NE(std::string(error.what()).find("error_if_nonfinite"), std::string::npos)
         << error.what();
   }

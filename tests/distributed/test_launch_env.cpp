@@ -25,7 +25,7 @@ class LaunchEnvTest : public ::testing::Test {
     setenv("MASTER_PORT", "29500", 1);
   }
   static std::string error_of() {
-    return testing::error_of<std::invalid_argument>([] { LaunchEnv::from_environment(); });
+    return testing::error_of<c10::ValueError>([] { LaunchEnv::from_environment(); });
   }
 };
 

@@ -3,6 +3,7 @@
 // the rank program of the start-up tests, which start ranks late, leave some out or point
 // them at the wrong place, or have one come late to the all-reduce.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <signal.h>
 
 #include <chrono>
@@ -43,8 +44,10 @@ int main() {
     const auto since = [](std::chrono::steady_clock::time_point t) {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
     };
-    std::fprintf(stderr, "world_join: error: %s\nworld_join: failed after %.2f s", error.what(),
-                 since(start));
+    // One line, as a program shows an error to its user: not c10::Error's C++ backtrace.
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+    std::fprintf(stderr, "world_join: error: %s\nworld_join: failed after %.2f s",
+                 c10_error ? c10_error->what_without_backtrace() : error.what(), since(start));
     if (joined) std::fprintf(stderr, ", %.2f s after joining", since(*joined));
     std::fprintf(stderr, "\n");
     return 1;

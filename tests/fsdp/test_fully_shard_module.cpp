@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "distributed_test.h"
+#include "fsdp_internals.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/collectives.h"
 #include "models/mlp.h"
@@ -95,6 +96,10 @@ HP_DIST_TEST(FullyShardModule, L1_01_ReshardAfterForwardToSmallerGroup, 4) {
   FullyShardOptions options;
   options.reshard_after_forward = int64_t{2};
   Fixture f(options);
+  // Each rank keeps its parameters over the 2 consecutive shard ranks around it.
+  const int64_t rank = testing::world()->rank();
+  const std::vector<int64_t> pair = {rank / 2 * 2, rank / 2 * 2 + 1};
+  for (const auto& block : f.blocks) EXPECT_EQ(testing::post_forward_ranks(block), pair);
   for (int step = 0; step < 2; ++step) {
     f.root->zero_grad();
     f.reference->zero_grad();
@@ -276,7 +281,7 @@ HP_DIST_TEST(FullyShardModule, L1_09_FullyShardListInput, 2) {
   // Blocks 0 and 1 share one state; block 2 has its own.
   std::vector<FSDPModule> pair = fully_shard({model->blocks[0], model->blocks[1]});
   ASSERT_EQ(pair.size(), 2u);
-  EXPECT_TRUE(pair[0] == pair[1]) << "one state for the list";
+  EXPECT_TRUE(testing::same_state(pair[0], pair[1])) << "one state for the list";
   FSDPModule third = fully_shard(model->blocks[2]);
   FSDPModule root = fully_shard(model);
   testing::ShardedParts parts = {{"blocks.", pair[0]}, {"blocks.2.", third}, {"", root}};

@@ -139,7 +139,7 @@ ProgramRun run_hp_run(const std::string& args) {
 }
 
 std::string what_of(const hp::LaunchOptions& options) {
-  return hp::testing::error_of<std::runtime_error>([&] { hp::launch_local(options); });
+  return hp::testing::error_of<c10::Error>([&] { hp::launch_local(options); });
 }
 
 TEST(Launcher, EveryRankGetsTorchrunEnvironment) {
@@ -411,13 +411,18 @@ TEST(Launcher, FindFreePortReturnsABindablePort) {
   EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   close(fd);
   // A documentation-only address (RFC 5737) that no local interface has: bind must fail.
-  EXPECT_THROW(hp::find_free_port("192.0.2.1"), std::runtime_error);
+  EXPECT_THROW(hp::find_free_port("192.0.2.1"), c10::Error);
 }
 
 TEST(HpRun, ExitsWithTheFailingRanksCode) {
   const ProgramRun run = run_hp_run("-n 2 -- sh -c 'exit $RANK'");
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_NE(run.output.find("hp-run: rank 1 exited with code 1"), std::string::npos) << run.output;
+  // A code no failure path of hp-run uses itself: the rank's, passed through.
+  const ProgramRun seven = run_hp_run("-n 2 -- sh -c '[ $RANK = 1 ] && exit 7; sleep 30'");
+  EXPECT_EQ(seven.exit_code, 7) << seven.output;
+  EXPECT_NE(seven.output.find("hp-run: rank 1 exited with code 7"), std::string::npos)
+      << seven.output;
 }
 
 TEST(HpRun, PrefixesOutputAndSucceeds) {

@@ -193,6 +193,21 @@ HP_DIST_TEST(FullyShardWithRecompute, SelectiveRecomputeRunsOnlyThoseLayers, 2) 
   }
   // Gradient reduction still runs layer by layer during backward, not at its end.
   EXPECT_LT(position("RS issue layers.3"), position("backward begin layers.1"));
+
+  // The next step prefetches in the previous forward's order: the all-gather of layer
+  // i + 1 (not a later one) is first issued while layer i's forward runs.
+  trace::start();
+  testing::token_cross_entropy(model(tokens.narrow(1, 0, config.max_seq)),
+                               tokens.narrow(1, 1, config.max_seq))
+      .backward();
+  events.clear();
+  for (const auto& event : trace::stop()) events.push_back(trace::describe(event));
+  for (int64_t i = 0; i + 1 < config.layers; ++i) {
+    const std::string layer = "layers." + std::to_string(i);
+    const std::string next = "layers." + std::to_string(i + 1);
+    EXPECT_LT(position("forward begin " + layer), position("AG issue " + next)) << next;
+    EXPECT_LT(position("AG issue " + next), position("forward end " + layer)) << next;
+  }
 }
 
 // A block that recomputes its own MLP: fully_shard outside, recompute inside.
@@ -244,10 +259,8 @@ HP_DIST_TEST(FullyShardWithRecompute, RecomputeInsideAShardedModule, 2) {
     torch::manual_seed(11);
     testing::expect_training_matches_reference(
         reference, model, parts, 2,
-        [] {
-          return std::pair{torch::randn({8, 16}), torch::randn({8, 1})};
-        },
-        testing::mse_loss, 1e-5, /*expect_every_param_managed=*/true);
+        [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; }, testing::mse_loss,
+        1e-5, /*expect_every_param_managed=*/true);
   }
 }
 

@@ -1,0 +1,19 @@
+#pragma once
+// The message of an exception for another message or the user: c10::Error::what()
+// appends a C++ backtrace, which belongs in neither.
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <string>
+
+namespace hp::detail {
+
+inline std::string message_of(const std::exception& error) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10_error->what_without_backtrace();
+  }
+  return error.what();
+}
+
+}  // namespace hp::detail
