@@ -326,10 +326,20 @@ double quantile(std::vector<double> v, double q) {
   return v[lo] + (pos - static_cast<double>(lo)) * (v[hi] - v[lo]);
 }
 
-int run(const Options& o) {
+// ---- Where the variants run ------------------------------------------------------------
+
+struct Setting {
+  std::shared_ptr<hp::World> world;
+  hp::DeviceMesh mesh;       // replicate x shard, or shard alone
+  int64_t replicate, shard;  // its sizes
+  int64_t rank, ranks;
+  const hp::Group& all() const { return *world->world_group(); }
+  c10::Device device() const { return world->device(); }
+};
+
+Setting make_setting(const Options& o) {
   std::shared_ptr<hp::World> world = hp::default_world();
-  const hp::Group& all = *world->world_group();
-  const int64_t ranks = world->size(), rank = world->rank();
+  const int64_t ranks = world->size();
   const int64_t replicate = o.replicate, shard = o.shard == 0 ? ranks : o.shard;
   if (replicate * shard != ranks) {
     throw std::invalid_argument("--mesh needs " + std::to_string(replicate * shard) + " ranks");
@@ -337,19 +347,10 @@ int run(const Options& o) {
   hp::DeviceMesh mesh =
       replicate == 1 ? hp::DeviceMesh(world, {{"dp_shard", shard}})
                      : hp::DeviceMesh(world, {{"dp_replicate", replicate}, {"dp_shard", shard}});
+  return Setting{world, std::move(mesh), replicate, shard, world->rank(), ranks};
+}
 
-  int64_t total_params = -1, block_params = -1;  // set by the first variant built
-  const c10::Device device = world->device();
-  // Phases end when the device has run them (a no-op on the CPU).
-  const auto synchronized_now = [cuda = device.is_cuda()] {
-    if (cuda) torch::cuda::synchronize();
-    return Clock::now();
-  };
-
-  // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
-  // is what the variant's model, optimizer and steps cost.
-  const double base_rss = status_mib("VmRSS");
-
+hp::models::TransformerConfig transformer_config(const Options& o) {
   hp::models::TransformerConfig config;
   config.vocab = o.vocab;
   config.dim = o.dim;
@@ -357,232 +358,287 @@ int run(const Options& o) {
   config.layers = o.layers;
   config.ffn_hidden = 4 * o.dim;
   config.max_seq = o.seq;
+  return config;
+}
 
-  auto build = [&](const std::string& spec) {
-    auto variant = std::make_unique<Variant>();
-    variant->name = spec;
-    const auto colon = spec.find(':');
-    const std::string kind = spec.substr(0, colon);
-    const std::vector<std::string> flags = colon == std::string::npos
-                                               ? std::vector<std::string>{}
-                                               : split(spec.substr(colon + 1), '+');
-    auto has = [&](const char* flag) {
-      return std::find(flags.begin(), flags.end(), flag) != flags.end();
-    };
-    if (kind != "local" && kind != "ddp" && kind != "hp" && kind != "comm") {
-      throw std::invalid_argument("unknown variant " + spec);
-    }
+// ---- The variants ----------------------------------------------------------------------
 
-    hp::FullyShardOptions options;
-    options.mesh = mesh;
-    options.comm_fusion = has("fusion");
-    if (has("keep")) options.reshard_after_forward = false;
-    const bool shard_it = kind == "hp";
+// The model's sizes before sharding (meta tensors count too); set by the first variant built.
+struct ModelSizes {
+  int64_t params = -1;
+  int64_t block_params = -1;
+};
 
-    torch::manual_seed(0);  // the same initial model for every variant and rank
-    std::optional<hp::FSDPModule> root;
-    auto make = [&](auto construct) {
-      auto model = std::make_shared<decltype(construct())>(
-          o.deferred_init ? hp::deferred_init(construct) : construct());
-      if (block_params < 0) {  // the model's sizes, before sharding (meta tensors count too)
-        total_params = 0;
-        for (const auto& p : (*model)->parameters()) total_params += p.numel();
-        block_params = 0;
-        if (!(*model)->layers.empty()) {
-          for (const auto& p : (*model)->layers.front()->parameters()) block_params += p.numel();
-        }
-      }
-      if (shard_it) {
-        for (auto& layer : (*model)->layers) hp::fully_shard(layer, options);
-        root = hp::fully_shard(*model, options);
-      }
-      if (o.deferred_init) hp::materialize(**model);
-      // fully_shard moved the sharded ones to the World's device; the plain ones go there.
-      if (!shard_it) (*model)->to(device);
-      variant->module = model->ptr();
-      variant->forward = [model](const at::Tensor& x) { return (*model)(x); };
-    };
-    if (o.model == "transformer") {
-      make([&] { return hp::Sharded<hp::models::Transformer>(config); });
-    } else {
-      make([&] { return hp::Sharded<Tiny>(o.tiny_blocks, o.tiny_width); });
+// The plain baseline's gradient sync: all gradients in one buffer, one blocking all-reduce.
+std::function<void()> ddp_all_reduce(std::vector<at::Tensor> params, const hp::Group& all) {
+  return [params = std::move(params), &all] {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : params) flat.push_back(p.grad().view(-1));
+    at::Tensor buffer = at::cat(flat);
+    hp::all_reduce(buffer, hp::ReduceOp::kSum, all).wait();
+    buffer.div_(static_cast<double>(all.size()));
+    int64_t offset = 0;
+    for (const auto& p : params) {
+      p.grad().view(-1).copy_(buffer.narrow(0, offset, p.numel()));
+      offset += p.numel();
     }
-    if (root && has("nopf")) root->set_implicit_prefetch(false);
-    if (kind == "comm") {
-      variant->comm_step = comm_only_step(*variant->module, mesh, !has("keep"), has("gloo"));
-    }
-    if (kind == "ddp") {
-      std::vector<at::Tensor> params = variant->module->parameters();
-      variant->after_backward = [params, &all, ranks] {
-        // The plain baseline: all gradients in one buffer, one blocking all-reduce.
-        std::vector<at::Tensor> flat;
-        for (const auto& p : params) flat.push_back(p.grad().view(-1));
-        at::Tensor buffer = at::cat(flat);
-        hp::all_reduce(buffer, hp::ReduceOp::kSum, all).wait();
-        buffer.div_(static_cast<double>(ranks));
-        int64_t offset = 0;
-        for (const auto& p : params) {
-          p.grad().view(-1).copy_(buffer.narrow(0, offset, p.numel()));
-          offset += p.numel();
-        }
-      };
-    }
-    variant->optimizer = std::make_unique<torch::optim::AdamW>(variant->module->parameters(),
-                                                               torch::optim::AdamWOptions(1e-3));
-    return variant;
   };
+}
 
-  std::vector<std::unique_ptr<Variant>> variants;
-  for (const std::string& spec : split(o.variants, ',')) variants.push_back(build(spec));
-
-  // Deterministic per step and rank; the same batch for every variant.
-  auto batch = [&](int64_t step) -> std::pair<at::Tensor, at::Tensor> {
-    at::Generator gen = at::detail::createCPUGenerator(1000 * step + rank);
-    if (o.model == "transformer") {
-      at::Tensor tokens =
-          torch::randint(o.vocab, {o.batch, o.seq + 1}, gen, torch::kLong).to(device);
-      return {tokens.narrow(1, 0, o.seq), tokens.narrow(1, 1, o.seq)};
+// Builds `variant`'s model from `construct` (deferred with --deferred-init), fully_shard-ed
+// block by block and at the root when `options` is set; returns the root's handle then.
+template <typename Construct>
+std::optional<hp::FSDPModule> build_model(Variant& variant, Construct construct,
+                                          const std::optional<hp::FullyShardOptions>& options,
+                                          const Options& o, c10::Device device, ModelSizes& sizes) {
+  auto model = std::make_shared<decltype(construct())>(
+      o.deferred_init ? hp::deferred_init(construct) : construct());
+  if (sizes.params < 0) {
+    sizes.params = 0;
+    for (const auto& p : (*model)->parameters()) sizes.params += p.numel();
+    sizes.block_params = 0;
+    if (!(*model)->layers.empty()) {
+      for (const auto& p : (*model)->layers.front()->parameters()) sizes.block_params += p.numel();
     }
-    return {torch::randn({o.batch, o.tiny_width}, gen).to(device), at::Tensor()};
+  }
+  std::optional<hp::FSDPModule> root;
+  if (options) {
+    for (auto& layer : (*model)->layers) hp::fully_shard(layer, *options);
+    root = hp::fully_shard(*model, *options);
+  }
+  if (o.deferred_init) hp::materialize(**model);
+  // fully_shard moved the sharded ones to the World's device; the plain ones go there.
+  if (!options) (*model)->to(device);
+  variant.module = model->ptr();
+  variant.forward = [model](const at::Tensor& x) { return (*model)(x); };
+  return root;
+}
+
+// A variant from its spec, kind[:flag+flag] (see the top of this file).
+std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o,
+                                       const Setting& setting, ModelSizes& sizes) {
+  auto variant = std::make_unique<Variant>();
+  variant->name = spec;
+  const auto colon = spec.find(':');
+  const std::string kind = spec.substr(0, colon);
+  const std::vector<std::string> flags =
+      colon == std::string::npos ? std::vector<std::string>{} : split(spec.substr(colon + 1), '+');
+  auto has = [&](const char* flag) {
+    return std::find(flags.begin(), flags.end(), flag) != flags.end();
   };
+  if (kind != "local" && kind != "ddp" && kind != "hp" && kind != "comm") {
+    throw std::invalid_argument("unknown variant " + spec);
+  }
 
-  auto train_step = [&](Variant& v, const at::Tensor& x, const at::Tensor& y, bool last) {
-    if (v.comm_step) {
-      const std::array<double, 2> t = v.comm_step();
-      return std::array<double, 4>{t[0], t[1], 0.0, t[0] + t[1]};
-    }
-    const auto t0 = synchronized_now();
-    v.optimizer->zero_grad();
-    at::Tensor out = v.forward(x);
-    at::Tensor loss = y.defined() ? torch::nn::functional::cross_entropy(out.reshape({-1, o.vocab}),
-                                                                         y.reshape(-1))
-                                  : out.pow(2).mean();
-    const auto t1 = synchronized_now();
-    if (last) {
-      v.boundary_rss_mib = status_mib("VmRSS");
-      v.last_loss = loss.item<double>();
-    }
-    const auto t1b = Clock::now();
-    loss.backward();
-    if (v.after_backward) v.after_backward();
-    const auto t2 = synchronized_now();
-    v.optimizer->step();
-    const auto t3 = synchronized_now();
-    auto ms = [](auto a, auto b) {
-      return std::chrono::duration<double, std::milli>(b - a).count();
-    };
-    return std::array<double, 4>{ms(t0, t1), ms(t1b, t2), ms(t2, t3), ms(t0, t3) - ms(t1, t1b)};
+  std::optional<hp::FullyShardOptions> options;
+  if (kind == "hp") {
+    options.emplace();
+    options->mesh = setting.mesh;
+    options->comm_fusion = has("fusion");
+    if (has("keep")) options->reshard_after_forward = false;
+  }
+  torch::manual_seed(0);  // the same initial model for every variant and rank
+  std::optional<hp::FSDPModule> root =
+      o.model == "transformer"
+          ? build_model(
+                *variant,
+                [&] { return hp::Sharded<hp::models::Transformer>(transformer_config(o)); },
+                options, o, setting.device(), sizes)
+          : build_model(
+                *variant, [&] { return hp::Sharded<Tiny>(o.tiny_blocks, o.tiny_width); }, options,
+                o, setting.device(), sizes);
+  if (root && has("nopf")) root->set_implicit_prefetch(false);
+  if (kind == "comm") {
+    variant->comm_step = comm_only_step(*variant->module, setting.mesh, !has("keep"), has("gloo"));
+  }
+  if (kind == "ddp") {
+    variant->after_backward = ddp_all_reduce(variant->module->parameters(), setting.all());
+  }
+  variant->optimizer = std::make_unique<torch::optim::AdamW>(variant->module->parameters(),
+                                                             torch::optim::AdamWOptions(1e-3));
+  return variant;
+}
+
+// ---- Steps -----------------------------------------------------------------------------
+
+// Deterministic per step and rank; the same batch for every variant.
+std::pair<at::Tensor, at::Tensor> batch_for(int64_t step, const Options& o,
+                                            const Setting& setting) {
+  at::Generator gen = at::detail::createCPUGenerator(1000 * step + setting.rank);
+  if (o.model == "transformer") {
+    at::Tensor tokens =
+        torch::randint(o.vocab, {o.batch, o.seq + 1}, gen, torch::kLong).to(setting.device());
+    return {tokens.narrow(1, 0, o.seq), tokens.narrow(1, 1, o.seq)};
+  }
+  return {torch::randn({o.batch, o.tiny_width}, gen).to(setting.device()), at::Tensor()};
+}
+
+// One step of `v`: {forward, backward, optimizer, step} in ms. Phases end when the device
+// has run them (a no-op on the CPU). `last`: also records the RSS at the forward/backward
+// boundary and the loss (untimed).
+std::array<double, 4> time_step(Variant& v, const at::Tensor& x, const at::Tensor& y, bool last,
+                                const Options& o, c10::Device device) {
+  if (v.comm_step) {
+    const std::array<double, 2> t = v.comm_step();
+    return {t[0], t[1], 0.0, t[0] + t[1]};
+  }
+  const auto synchronized_now = [cuda = device.is_cuda()] {
+    if (cuda) torch::cuda::synchronize();
+    return Clock::now();
   };
+  const auto t0 = synchronized_now();
+  v.optimizer->zero_grad();
+  at::Tensor out = v.forward(x);
+  at::Tensor loss =
+      y.defined() ? torch::nn::functional::cross_entropy(out.reshape({-1, o.vocab}), y.reshape(-1))
+                  : out.pow(2).mean();
+  const auto t1 = synchronized_now();
+  if (last) {
+    v.boundary_rss_mib = status_mib("VmRSS");
+    v.last_loss = loss.item<double>();
+  }
+  const auto t1b = Clock::now();
+  loss.backward();
+  if (v.after_backward) v.after_backward();
+  const auto t2 = synchronized_now();
+  v.optimizer->step();
+  const auto t3 = synchronized_now();
+  auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  return {ms(t0, t1), ms(t1b, t2), ms(t2, t3), ms(t0, t3) - ms(t1, t1b)};
+}
 
+// Steps every variant in rotation, so that no variant always runs right after another;
+// records each timed step's phases, as slow as the slowest rank.
+void time_variants(std::vector<std::unique_ptr<Variant>>& variants, const Options& o,
+                   const Setting& setting) {
   const size_t n = variants.size();
-  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
-    auto [x, y] = batch(step);
-    // Rotate the order so that no variant always runs right after another.
+  const int64_t last_step = o.warmup + o.steps - 1;
+  for (int64_t step = 0; step <= last_step; ++step) {
+    auto [x, y] = batch_for(step, o, setting);
     for (size_t k = 0; k < n; ++k) {
       Variant& v = *variants[(step + k) % n];
-      hp::barrier(all).wait();
-      const bool traced =
-          !o.trace_dir.empty() && step + 1 == o.warmup + o.steps && v.name.starts_with("hp");
-      if (traced) hp::trace::start(world->device());
+      hp::barrier(setting.all()).wait();
+      const bool traced = !o.trace_dir.empty() && step == last_step && v.name.starts_with("hp");
+      if (traced) hp::trace::start(setting.device());
       const double cpu_before = process_cpu_ms();
-      const std::array<double, 4> t = train_step(v, x, y, step + 1 == o.warmup + o.steps);
+      const std::array<double, 4> t = time_step(v, x, y, step == last_step, o, setting.device());
       const double cpu = process_cpu_ms() - cpu_before;
-      if (traced) write_trace(o, v.name, rank, hp::trace::stop());
-      // The slowest rank sets the pace of a step.
+      if (traced) write_trace(o, v.name, setting.rank, hp::trace::stop());
       at::Tensor times = torch::tensor({t[0], t[1], t[2], t[3], cpu}, torch::kDouble);
-      hp::all_reduce(times, hp::ReduceOp::kMax, all).wait();
+      hp::all_reduce(times, hp::ReduceOp::kMax, setting.all()).wait();
       if (step >= o.warmup) {
         auto a = times.accessor<double, 1>();
         v.times.push_back({a[0], a[1], a[2], a[3], a[4]});
       }
     }
   }
+}
 
-  if (o.count_copies) {
-    auto [x, y] = batch(o.warmup + o.steps);
-    const at::CallbackHandle handle =
-        at::addGlobalCallback(at::RecordFunctionCallback(count_copy)
-                                  .needsInputs(true)
-                                  .scopes({at::RecordScope::FUNCTION}));
-    for (auto& v : variants) {
-      hp::barrier(all).wait();
-      g_copied_bytes = 0;
-      g_copied_bytes_comm = 0;
-      train_step(*v, x, y, /*last=*/false);
-      hp::barrier(all).wait();  // Gloo threads of this step are done
-      v->copied_bytes = g_copied_bytes.load();
-      v->copied_bytes_comm = g_copied_bytes_comm.load();
-    }
-    at::removeCallback(handle);
+// One more step of each variant, counting the bytes it copies.
+void count_copies(std::vector<std::unique_ptr<Variant>>& variants, const Options& o,
+                  const Setting& setting) {
+  auto [x, y] = batch_for(o.warmup + o.steps, o, setting);
+  const at::CallbackHandle handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(count_copy).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  for (auto& v : variants) {
+    hp::barrier(setting.all()).wait();
+    g_copied_bytes = 0;
+    g_copied_bytes_comm = 0;
+    time_step(*v, x, y, /*last=*/false, o, setting.device());
+    hp::barrier(setting.all()).wait();  // Gloo threads of this step are done
+    v->copied_bytes = g_copied_bytes.load();
+    v->copied_bytes_comm = g_copied_bytes_comm.load();
   }
+  at::removeCallback(handle);
+}
 
+// ---- Results ---------------------------------------------------------------------------
+
+// Rank 0 prints one RESULT line per variant; every rank contributes its RSS.
+void print_results(const std::vector<std::unique_ptr<Variant>>& variants, const Options& o,
+                   const Setting& setting, const ModelSizes& sizes, double base_rss) {
   // Per rank: peak, baseline, then each variant's RSS at its forward/backward boundary.
   std::vector<double> mine = {status_mib("VmHWM"), base_rss};
   for (const auto& v : variants) mine.push_back(v->boundary_rss_mib);
   const int64_t columns = static_cast<int64_t>(mine.size());
-  at::Tensor rss = torch::tensor(mine, torch::kDouble);
-  at::Tensor all_rss = torch::empty({ranks, columns}, torch::kDouble);
-  hp::all_gather(all_rss, rss, all).wait();
+  at::Tensor all_rss = torch::empty({setting.ranks, columns}, torch::kDouble);
+  hp::all_gather(all_rss, torch::tensor(mine, torch::kDouble), setting.all()).wait();
+  if (setting.rank != 0) return;
   rlimit data_limit{};
   getrlimit(RLIMIT_DATA, &data_limit);
   const nlohmann::json limit_mib =
       data_limit.rlim_cur == RLIM_INFINITY
           ? nlohmann::json(nullptr)
           : nlohmann::json(rounded(static_cast<double>(data_limit.rlim_cur) / (1024.0 * 1024.0)));
-  if (rank == 0) {
-    for (int64_t index = 0; index < static_cast<int64_t>(variants.size()); ++index) {
-      const auto& v = variants[index];
-      int64_t local_numel = 0;
-      for (const auto& p : v->module->parameters()) local_numel += p.numel();
-      nlohmann::json result = {
-          {"impl", v->name.starts_with("hp") ? "hp" : "cpp"},
-          {"variant", v->name},
-          {"label", o.label},
-          {"world", ranks},
-          {"mesh", std::to_string(replicate) + "x" + std::to_string(shard)},
-          {"steps", v->times.size()},
-          {"warmup", o.warmup},
-          {"error", nullptr},
-          {"copied_bytes", v->copied_bytes},
-          {"copied_bytes_comm", v->copied_bytes_comm},
-          {"local_params", local_numel},
-      };
-      if (o.model == "transformer") {
-        result["model"] = {{"dim", o.dim},     {"layers", o.layers},       {"heads", o.heads},
-                           {"vocab", o.vocab}, {"ffn", config.ffn_hidden}, {"seq", o.seq},
-                           {"batch", o.batch}};
-      }
-      result["params"] = total_params;
-      result["block_params"] = block_params;
-      result["deferred_init"] = o.deferred_init;
-      result["rlimit_data_mib"] = limit_mib;
-      result["loss"] = rounded(v->last_loss);
-      const auto per_rank = [&](int64_t column) {
-        nlohmann::json values = nlohmann::json::array();
-        for (int64_t r = 0; r < ranks; ++r) {
-          values.push_back(rounded(all_rss[r][column].item<double>()));
-        }
-        return values;
-      };
-      result["peak_rss_mib"] = per_rank(0);
-      result["base_rss_mib"] = per_rank(1);
-      result["boundary_rss_mib"] = per_rank(2 + index);
-      const char* keys[] = {"fwd", "bwd", "opt", "step", "cpu"};
-      for (int c = 0; c < 5; ++c) {
-        std::vector<double> col;
-        for (const auto& t : v->times) col.push_back(t[c]);
-        result[std::string(keys[c]) + "_ms"] = rounded(quantile(col, 0.5));
-        // The spread of the step time shows how noisy the machine was.
-        if (c == 3) {
-          result["step_p25_ms"] = rounded(quantile(col, 0.25));
-          result["step_p75_ms"] = rounded(quantile(col, 0.75));
-        }
-      }
-      std::printf("RESULT %s\n", result.dump().c_str());
+  const auto per_rank = [&](int64_t column) {
+    nlohmann::json values = nlohmann::json::array();
+    for (int64_t r = 0; r < setting.ranks; ++r) {
+      values.push_back(rounded(all_rss[r][column].item<double>()));
     }
-    std::fflush(stdout);
+    return values;
+  };
+  for (int64_t index = 0; index < static_cast<int64_t>(variants.size()); ++index) {
+    const Variant& v = *variants[index];
+    int64_t local_numel = 0;
+    for (const auto& p : v.module->parameters()) local_numel += p.numel();
+    nlohmann::json result = {
+        {"impl", v.name.starts_with("hp") ? "hp" : "cpp"},
+        {"variant", v.name},
+        {"label", o.label},
+        {"world", setting.ranks},
+        {"mesh", std::to_string(setting.replicate) + "x" + std::to_string(setting.shard)},
+        {"steps", v.times.size()},
+        {"warmup", o.warmup},
+        {"error", nullptr},
+        {"copied_bytes", v.copied_bytes},
+        {"copied_bytes_comm", v.copied_bytes_comm},
+        {"local_params", local_numel},
+    };
+    if (o.model == "transformer") {
+      result["model"] = {{"dim", o.dim},     {"layers", o.layers}, {"heads", o.heads},
+                         {"vocab", o.vocab}, {"ffn", 4 * o.dim},   {"seq", o.seq},
+                         {"batch", o.batch}};
+    }
+    result["params"] = sizes.params;
+    result["block_params"] = sizes.block_params;
+    result["deferred_init"] = o.deferred_init;
+    result["rlimit_data_mib"] = limit_mib;
+    result["loss"] = rounded(v.last_loss);
+    result["peak_rss_mib"] = per_rank(0);
+    result["base_rss_mib"] = per_rank(1);
+    result["boundary_rss_mib"] = per_rank(2 + index);
+    const char* keys[] = {"fwd", "bwd", "opt", "step", "cpu"};
+    for (int c = 0; c < 5; ++c) {
+      std::vector<double> column;
+      for (const auto& t : v.times) column.push_back(t[c]);
+      result[std::string(keys[c]) + "_ms"] = rounded(quantile(column, 0.5));
+      // The spread of the step time shows how noisy the machine was.
+      if (c == 3) {
+        result["step_p25_ms"] = rounded(quantile(column, 0.25));
+        result["step_p75_ms"] = rounded(quantile(column, 0.75));
+      }
+    }
+    std::printf("RESULT %s\n", result.dump().c_str());
   }
-  hp::barrier(all).wait();
+  std::fflush(stdout);
+}
+
+// ---- The run ---------------------------------------------------------------------------
+
+int run(const Options& o) {
+  const Setting setting = make_setting(o);
+  // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
+  // is what the variant's model, optimizer and steps cost.
+  const double base_rss = status_mib("VmRSS");
+  ModelSizes sizes;
+  std::vector<std::unique_ptr<Variant>> variants;
+  for (const std::string& spec : split(o.variants, ',')) {
+    variants.push_back(build_variant(spec, o, setting, sizes));
+  }
+  time_variants(variants, o, setting);
+  if (o.count_copies) count_copies(variants, o, setting);
+  print_results(variants, o, setting, sizes, base_rss);
+  hp::barrier(setting.all()).wait();
   return 0;
 }
 

@@ -280,7 +280,18 @@ std::string printable(const std::string& text) {
   return out;
 }
 
-int train(const TrainOptions& o, const std::string& resolved) {
+// ---- The job: ranks, their layout, the data ------------------------------------------
+
+struct Job {
+  std::shared_ptr<hp::World> world;
+  hp::trainer::ParallelLayout layout;
+  int64_t rank = 0, ranks = 1;
+  const hp::Group& all() const { return *world->world_group(); }
+};
+
+// Joins the world and divides its ranks as the options ask. A layout the ranks cannot
+// make is a usage error, found before any connection where the launch environment shows it.
+Job join_job(const TrainOptions& o) {
   hp::WorldOptions world_options;
   if (o.timeout > 0) {
     world_options.timeout =
@@ -293,37 +304,50 @@ int train(const TrainOptions& o, const std::string& resolved) {
     throw UsageError(error.what());
   }
   std::shared_ptr<hp::World> world = hp::World::create(launch, world_options);
-  const hp::Group& all = *world->world_group();
-  const int64_t ranks = world->size(), rank = world->rank();
-  std::optional<hp::trainer::ParallelLayout> parallel;
   try {
-    parallel.emplace(hp::trainer::make_parallel_layout(world, o));
+    hp::trainer::ParallelLayout layout = hp::trainer::make_parallel_layout(world, o);
+    return Job{world, std::move(layout), world->rank(), world->size()};
   } catch (const c10::ValueError& error) {  // the mesh refused the layout
     throw UsageError(error.what_without_backtrace());
   } catch (const std::invalid_argument& error) {
     throw UsageError(error.what());
   }
-  const hp::trainer::ParallelLayout& layout = *parallel;
-  const int64_t data_ranks = layout.data_ranks, data_rank = layout.data_rank;
+}
+
+struct TextData {
+  std::shared_ptr<const hp::trainer::TextCorpus> corpus;
+  std::optional<hp::trainer::TrainBatches> batches;  // this rank's share of each step
+  std::vector<hp::trainer::Batch> validation;        // this rank's share
+  double unigram = 0;                                // the loss a model has to beat
+};
+
+TextData load_data(const TrainOptions& o, const Job& job) {
+  const int64_t data_ranks = job.layout.data_ranks, data_rank = job.layout.data_rank;
   if (o.batch % data_ranks != 0) {
     throw UsageError("--batch " + std::to_string(o.batch) + " is not divisible by the " +
                      std::to_string(data_ranks) + " data-parallel ranks");
   }
   const int64_t batch_per_rank = o.batch / data_ranks;
-  std::shared_ptr<const hp::trainer::TextCorpus> corpus;
-  std::optional<hp::trainer::TrainBatches> batches;
-  std::vector<hp::trainer::Batch> validation;
+  TextData data;
   try {
-    corpus = std::make_shared<hp::trainer::TextCorpus>(o.data, o.validation_fraction);
-    batches.emplace(corpus, o.seq, batch_per_rank, data_rank, data_ranks,
-                    static_cast<uint64_t>(o.seed));
-    validation = hp::trainer::validation_batches(corpus, o.seq, batch_per_rank, o.eval_batches,
-                                                 data_rank, data_ranks);
+    data.corpus = std::make_shared<hp::trainer::TextCorpus>(o.data, o.validation_fraction);
+    data.batches.emplace(data.corpus, o.seq, batch_per_rank, data_rank, data_ranks,
+                         static_cast<uint64_t>(o.seed));
+    data.validation = hp::trainer::validation_batches(data.corpus, o.seq, batch_per_rank,
+                                                      o.eval_batches, data_rank, data_ranks);
   } catch (const std::invalid_argument& error) {
     throw UsageError(std::string("--data: ") + error.what());
   }
-  const double unigram = unigram_baseline(*corpus, rank, ranks, all);
+  data.unigram = unigram_baseline(*data.corpus, job.rank, job.ranks, job.all());
+  return data;
+}
 
+// ---- The model -------------------------------------------------------------------------
+
+using Decoder = hp::Sharded<hp::models::Transformer>;
+
+hp::models::TransformerConfig decoder_config(const TrainOptions& o,
+                                             const hp::trainer::ParallelLayout& layout) {
   hp::models::TransformerConfig config;
   config.vocab = kVocab;
   config.dim = o.dim;
@@ -346,21 +370,41 @@ int train(const TrainOptions& o, const std::string& resolved) {
   } catch (const std::invalid_argument& error) {
     throw UsageError(error.what());
   }
+  return config;
+}
+
+// Recorded, not allocated: no rank ever holds the whole model; each materializes (or
+// loads) only its shards once it is sharded.
+Decoder deferred_decoder(const TrainOptions& o, const hp::trainer::ParallelLayout& layout) {
+  const hp::models::TransformerConfig config = decoder_config(o, layout);
   torch::manual_seed(static_cast<uint64_t>(o.seed));  // the same initial model on every rank
-  // Recorded, not allocated: no rank ever holds the whole model; each materializes (or
-  // loads) only its shards, below.
-  auto model = hp::deferred_init([&] { return hp::Sharded<hp::models::Transformer>(config); });
+  Decoder model = hp::deferred_init([&] { return Decoder(config); });
   model->recompute_layers.assign(o.layers, o.recompute_impl());
-  const int64_t full_params = numel_of(model->parameters(), /*whole=*/true);
-  // A token runs through top_k of each MoE layer's experts: only theirs count as its FLOPs.
-  double active_params = static_cast<double>(full_params);
+  return model;
+}
+
+struct ModelSize {
+  int64_t params = 0;        // whole tensors, every parallel slice counted
+  double active_params = 0;  // what one token runs through: top_k of each MoE layer's experts
+};
+
+ModelSize size_of(Decoder& model) {
+  ModelSize size;
+  size.params = numel_of(model->parameters(), /*whole=*/true);
+  size.active_params = static_cast<double>(size.params);
   for (auto& layer : model->layers) {
     if (!layer->moe) continue;
     const auto& moe = layer->moe->options;
-    active_params -= static_cast<double>(numel_of(layer->moe->experts->parameters(), true)) *
-                     (1.0 - static_cast<double>(moe.top_k) / static_cast<double>(moe.num_experts));
+    size.active_params -=
+        static_cast<double>(numel_of(layer->moe->experts->parameters(), true)) *
+        (1.0 - static_cast<double>(moe.top_k) / static_cast<double>(moe.num_experts));
   }
+  return size;
+}
 
+// Each block, each MoE layer's experts (before their block, over the ranks orthogonal to
+// ep) and the root.
+void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLayout& layout) {
   hp::FullyShardOptions options;
   options.mesh = layout.dense_mesh;
   if (o.mp == "bf16") {
@@ -371,167 +415,193 @@ int train(const TrainOptions& o, const std::string& resolved) {
   hp::FullyShardOptions experts_options = options;
   experts_options.mesh = layout.experts_mesh;
   for (auto& layer : model->layers) {
-    if (layer->moe) {  // before its block: over the ranks orthogonal to ep
+    if (layer->moe) {
       hp::fully_shard(layer->moe->experts, experts_options)
           .set_gradient_divide_factor(layout.experts_divide_factor);
     }
     hp::fully_shard(layer, options);
   }
   hp::fully_shard(model, options);
-  if (!o.save.empty()) check_writable("--save", o.save, rank, all);
-  if (!o.export_dir.empty()) check_writable("--export", o.export_dir, rank, all);
-  if (!o.out.empty()) check_writable("--out", o.out, rank, all);
-  std::string resume_from;  // empty: a fresh start
-  if (o.resume == "auto") {
-    std::vector<std::string> damaged;
-    resume_from = hp::latest_checkpoint(o.save, &damaged).value_or("");
+}
+
+// ---- Checkpoints -----------------------------------------------------------------------
+
+// The checkpoint to resume from: --resume's, or (auto) the newest complete one under
+// --save; empty for a fresh start.
+std::string checkpoint_to_resume(const TrainOptions& o, int64_t rank) {
+  if (o.resume != "auto") return o.resume;
+  std::vector<std::string> damaged;
+  const std::string latest = hp::latest_checkpoint(o.save, &damaged).value_or("");
+  if (rank == 0) {
     for (const std::string& why : damaged) {
-      if (rank == 0)
-        std::printf("--resume auto: passing over a damaged checkpoint: %s\n", why.c_str());
+      std::printf("--resume auto: passing over a damaged checkpoint: %s\n", why.c_str());
     }
-    if (resume_from.empty() && rank == 0) {
+    if (latest.empty())
       std::printf("no complete checkpoint under %s: starting fresh\n", o.save.c_str());
+  }
+  return latest;
+}
+
+// Loads a sharded checkpoint or an --export into the model, the optimizer and the run's
+// random generators; returns the steps already taken (the data continue from there).
+int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& optimizer,
+               int64_t rank) {
+  int64_t done = 0;
+  if (hp::is_complete_checkpoint(from)) {
+    // Each rank reads only the pieces its shards need.
+    const hp::StateDict state = hp::load_sharded_checkpoint(from, *model, &optimizer);
+    done = state["step"].item<int64_t>();
+    restore_rng(state["rng_states"], rank);
+  } else if (std::filesystem::exists(from + "/model.pt")) {
+    // An --export: both files stream, one tensor read at a time.
+    hp::load_full_checkpoint(*model, from + "/model.pt");
+    hp::load_full_optimizer_checkpoint(*model, optimizer, from + "/optim.pt");
+    // AdamW counts steps per parameter; any parameter's count is the run's.
+    auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
+    if (state != optimizer.state().end()) {
+      done = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
     }
   } else {
-    resume_from = o.resume;
+    throw UsageError("--resume " + from +
+                     ": neither a complete sharded checkpoint (no COMPLETE marker) nor an "
+                     "--export directory (no model.pt)");
   }
-  if (resume_from.empty()) hp::materialize(*model);  // a resumed run loads its values below
-  const int64_t local_params = numel_of(model->parameters());
-
   if (rank == 0) {
-    std::printf(
-        "train_decoder: byte-level language model on %zu text files (%s training bytes, "
-        "%s validation bytes); unigram baseline %.4f nats per byte\n",
-        corpus->files().size(), with_commas(corpus->size(hp::trainer::Split::kTrain)).c_str(),
-        with_commas(corpus->size(hp::trainer::Split::kValidation)).c_str(), unigram);
-    std::printf("  ranks %lld, parameters %s full, %s on rank 0 (sharded)\n",
-                static_cast<long long>(ranks), with_commas(full_params).c_str(),
-                with_commas(local_params).c_str());
-    std::printf("resolved configuration (usable as --config):\n%s\n", resolved.c_str());
-    std::fflush(stdout);
+    std::printf("resumed from %s after %lld steps\n\n", from.c_str(), static_cast<long long>(done));
   }
+  return done;
+}
 
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
-  int64_t done = 0;  // steps already taken: the data continue where the checkpoint left off
-  if (!resume_from.empty()) {
-    if (hp::is_complete_checkpoint(resume_from)) {
-      // Each rank reads only the pieces its shards need.
-      const hp::StateDict state = hp::load_sharded_checkpoint(resume_from, *model, &optimizer);
-      done = state["step"].item<int64_t>();
-      restore_rng(state["rng_states"], rank);
-    } else if (std::filesystem::exists(resume_from + "/model.pt")) {
-      // An --export: both files stream, one tensor read at a time.
-      hp::load_full_checkpoint(*model, resume_from + "/model.pt");
-      hp::load_full_optimizer_checkpoint(*model, optimizer, resume_from + "/optim.pt");
-      // AdamW counts steps per parameter; any parameter's count is the run's.
-      auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
-      if (state != optimizer.state().end()) {
-        done = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
-      }
-    } else {
-      throw UsageError("--resume " + resume_from +
-                       ": neither a complete sharded checkpoint (no COMPLETE marker) nor an "
-                       "--export directory (no model.pt)");
-    }
-    if (rank == 0) {
-      std::printf("resumed from %s after %lld steps\n\n", resume_from.c_str(),
-                  static_cast<long long>(done));
-    }
-  }
-  std::vector<hp::trainer::MetricsRecord> records;
-  std::optional<hp::trainer::MetricsLog> metrics;
-  if (!o.out.empty() && rank == 0) {
-    // A resumed run keeps what was logged up to its checkpoint.
-    records = hp::trainer::read_metrics(o.out + "/metrics.jsonl", done);
-    metrics.emplace(o.out + "/metrics.jsonl", records);
-  }
-  const auto save = [&](int64_t step) {
-    const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
-    hp::save_sharded_checkpoint(dir, *model, &optimizer, run_state(step, all, ranks));
-    if (rank == 0) std::printf("saved %s\n", dir.c_str());
-  };
-  // This attempt's fault, if any: the step before which a rank fails, and that rank.
+void save(const TrainOptions& o, int64_t step, Decoder& model, torch::optim::AdamW& optimizer,
+          const Job& job) {
+  const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
+  hp::save_sharded_checkpoint(dir, *model, &optimizer, run_state(step, job.all(), job.ranks));
+  if (job.rank == 0) std::printf("saved %s\n", dir.c_str());
+}
+
+// Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
+void export_full(const std::string& dir, Decoder& model, torch::optim::AdamW& optimizer,
+                 const Job& job) {
+  hp::save_full_checkpoint(*model, dir + "/model.pt");
+  hp::save_full_optimizer_checkpoint(*model, optimizer, dir + "/optim.pt");
+  // The others wait for rank 0's files: a rank that exits first could have the launcher
+  // stop rank 0 mid-write.
+  hp::barrier(job.all()).wait();
+  if (job.rank == 0)
+    std::printf("exported %s/model.pt and %s/optim.pt\n", dir.c_str(), dir.c_str());
+}
+
+// ---- Fault injection (--fail-at-step) --------------------------------------------------
+
+struct InjectedFault {
+  int64_t before_step = 0;  // 0: none in this attempt
+  int64_t rank = 0;
+};
+
+// This attempt's fault (the attempt: TORCHELASTIC_RESTART_COUNT).
+InjectedFault fault_of_this_attempt(const TrainOptions& o, int64_t ranks) {
   const char* restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const size_t attempt = restart_count == nullptr ? 0 : std::stoul(restart_count);
-  const int64_t fail_at_step = attempt < o.fail_at_steps.size() ? o.fail_at_steps[attempt] : 0;
-  const int64_t fail_rank =
+  InjectedFault fault;
+  fault.before_step = attempt < o.fail_at_steps.size() ? o.fail_at_steps[attempt] : 0;
+  fault.rank =
       o.fail_ranks.empty() || attempt >= o.fail_ranks.size() ? ranks - 1 : o.fail_ranks[attempt];
-  if (fail_at_step > 0 && fail_rank >= ranks) {
-    throw std::invalid_argument("--fail-rank " + std::to_string(fail_rank) + ": there are only " +
+  if (fault.before_step > 0 && fault.rank >= ranks) {
+    throw std::invalid_argument("--fail-rank " + std::to_string(fault.rank) + ": there are only " +
                                 std::to_string(ranks) + " ranks");
   }
-  const double matmul_rate = measured_matmul_rate(all);
+  return fault;
+}
 
-  const bool tty = isatty(STDOUT_FILENO) == 1;
-  const int64_t log_every = o.log_every > 0 ? o.log_every : std::max<int64_t>(1, o.steps / 20);
-  const int64_t eval_every = o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 5);
-  const int64_t tokens_per_step = o.batch * o.seq;
-  const auto start = Clock::now();
-  auto last_report = start;
-  int64_t last_report_step = done;
-  double final_validation = std::numeric_limits<double>::quiet_NaN();
-  double tokens_per_s = 0;
+void fail_if_due(const InjectedFault& fault, int64_t step, int64_t rank, bool by_kill) {
+  if (step != fault.before_step || rank != fault.rank) return;
+  std::printf("--fail-at-step %lld: rank %lld fails on purpose (fault injection)\n",
+              static_cast<long long>(step), static_cast<long long>(rank));
+  std::fflush(stdout);
+  if (by_kill) raise(SIGKILL);
+  throw std::runtime_error("--fail-at-step " + std::to_string(step) +
+                           ": failing on purpose (fault injection)");
+}
 
-  for (int64_t step = done + 1; step <= o.steps; ++step) {
-    if (step == fail_at_step && rank == fail_rank) {
-      std::printf("--fail-at-step %lld: rank %lld fails on purpose (fault injection)\n",
-                  static_cast<long long>(step), static_cast<long long>(rank));
-      std::fflush(stdout);
-      if (o.fail_by_kill) raise(SIGKILL);
-      throw std::runtime_error("--fail-at-step " + std::to_string(step) +
-                               ": failing on purpose (fault injection)");
+// ---- One training step -----------------------------------------------------------------
+
+struct StepResult {
+  at::Tensor loss;       // this rank's
+  double grad_norm = 0;  // of the whole gradients, before clipping
+};
+
+StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
+                      const hp::trainer::Batch& batch, int64_t step, const TrainOptions& o,
+                      const hp::trainer::ParallelLayout& layout) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
+  }
+  optimizer.zero_grad();
+  StepResult result;
+  result.loss = next_byte_loss(model, batch, layout).first;
+  (o.experts > 0 ? result.loss + model->aux_loss() : result.loss).backward();
+  // Shards combined across ranks; an infinite limit only measures the norm.
+  result.grad_norm = hp::clip_grad_norm_(
+      model->parameters(), o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
+  optimizer.step();
+  return result;
+}
+
+// ---- Progress: the log lines, metrics.jsonl, throughput --------------------------------
+
+class Progress {
+ public:
+  Progress(const TrainOptions& o, const Job& job, int64_t done, double unigram)
+      : o_(o),
+        rank_(job.rank),
+        done_(done),
+        unigram_(unigram),
+        tty_(isatty(STDOUT_FILENO) == 1),
+        log_every_(o.log_every > 0 ? o.log_every : std::max<int64_t>(1, o.steps / 20)),
+        eval_every_(o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 5)),
+        last_report_step_(done) {
+    if (!o.out.empty() && rank_ == 0) {
+      // A resumed run keeps what was logged up to its checkpoint.
+      records_ = hp::trainer::read_metrics(o.out + "/metrics.jsonl", done);
+      metrics_.emplace(o.out + "/metrics.jsonl", records_);
     }
-    const hp::trainer::Batch batch = batches->at_step(step);
-    // The third step: the implicit prefetch order is known and warm-up allocations are done.
-    const bool traced = !o.trace.empty() && step == done + 3;
-    if (traced) hp::trace::start(world->device());
-    for (auto& group : optimizer.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
-    }
-    optimizer.zero_grad();
-    const at::Tensor loss = next_byte_loss(model, batch, layout).first;
-    (o.experts > 0 ? loss + model->aux_loss() : loss).backward();
-    // The norm of the whole gradients (shards combined across ranks), before clipping;
-    // an infinite limit only measures it.
-    const double grad_norm = hp::clip_grad_norm_(
-        model->parameters(),
-        o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
-    optimizer.step();
-    if (traced) write_trace(o.trace, rank, hp::trace::stop());
+  }
 
-    at::Tensor mean_loss = loss.detach().clone();
-    hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, all).wait();
-    if (o.save_every > 0 && step % o.save_every == 0 && step != o.steps) save(step);
-    const bool log = step % log_every == 0 || step == o.steps;
-    const bool evaluate = step % eval_every == 0 || step == o.steps;
-    if (!log && !evaluate) continue;
+  bool logs(int64_t step) const { return step % log_every_ == 0 || step == o_.steps; }
+  bool evaluates(int64_t step) const { return step % eval_every_ == 0 || step == o_.steps; }
 
+  // The step's record with the throughput since the last report.
+  hp::trainer::MetricsRecord measure(int64_t step, double loss, double grad_norm) {
+    const auto now = Clock::now();
     hp::trainer::MetricsRecord record;
     record.step = step;
-    record.loss = mean_loss.item<double>();
+    record.loss = loss;
     record.grad_norm = grad_norm;
-    const auto now = Clock::now();
-    tokens_per_s = static_cast<double>((step - last_report_step) * tokens_per_step) /
-                   std::chrono::duration<double>(now - last_report).count();
-    record.tokens_per_s = tokens_per_s;
-    record.elapsed_s = std::chrono::duration<double>(now - start).count();
-    if (evaluate)
-      record.validation_loss = final_validation = validation_loss(model, validation, layout, all);
-    last_report = Clock::now();  // evaluation time does not count against throughput
-    last_report_step = step;
-    if (rank != 0) continue;
-    records.push_back(record);
-    if (metrics) metrics->append(record);
-    const double eta =
-        record.elapsed_s / static_cast<double>(step - done) * static_cast<double>(o.steps - step);
+    tokens_per_s_ = static_cast<double>((step - last_report_step_) * o_.batch * o_.seq) /
+                    std::chrono::duration<double>(now - last_report_).count();
+    record.tokens_per_s = tokens_per_s_;
+    record.elapsed_s = std::chrono::duration<double>(now - start_).count();
+    return record;
+  }
+
+  // Rank 0 prints and logs `record`. The clock restarts: evaluation does not count against
+  // throughput.
+  void report(const hp::trainer::MetricsRecord& record) {
+    last_report_ = Clock::now();
+    last_report_step_ = record.step;
+    if (rank_ != 0) return;
+    records_.push_back(record);
+    if (metrics_) metrics_->append(record);
+    const double eta = record.elapsed_s / static_cast<double>(record.step - done_) *
+                       static_cast<double>(o_.steps - record.step);
     char line[256];
     std::snprintf(line, sizeof line,
                   "step %6lld/%lld  loss %.4f  grad norm %6.3f  %7.0f tok/s  ETA %s",
-                  static_cast<long long>(step), static_cast<long long>(o.steps), record.loss,
-                  grad_norm, tokens_per_s, duration_text(eta).c_str());
-    if (tty) {
+                  static_cast<long long>(record.step), static_cast<long long>(o_.steps),
+                  record.loss, record.grad_norm, record.tokens_per_s, duration_text(eta).c_str());
+    if (tty_) {
       constexpr int kWidth = 20;
-      const int filled = static_cast<int>(kWidth * step / o.steps);
+      const int filled = static_cast<int>(kWidth * record.step / o_.steps);
       std::printf("\r[%s%s] %s\033[K", std::string(filled, '#').c_str(),
                   std::string(kWidth - filled, '.').c_str(), line);
     } else {
@@ -539,73 +609,166 @@ int train(const TrainOptions& o, const std::string& resolved) {
     }
     if (record.validation_loss) {
       std::printf("%svalidation loss %.4f  perplexity %.2f  (unigram baseline %.4f)\n",
-                  tty ? "\n" : "", *record.validation_loss, std::exp(*record.validation_loss),
-                  unigram);
+                  tty_ ? "\n" : "", *record.validation_loss, std::exp(*record.validation_loss),
+                  unigram_);
     }
     std::fflush(stdout);
   }
-  if (tty && rank == 0) std::printf("\n");
 
-  if (!o.save.empty()) save(o.steps);
-  if (!o.export_dir.empty()) {
-    // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
-    hp::save_full_checkpoint(*model, o.export_dir + "/model.pt");
-    hp::save_full_optimizer_checkpoint(*model, optimizer, o.export_dir + "/optim.pt");
-    // The others wait for rank 0's files: a rank that exits first could have the launcher
-    // stop rank 0 mid-write.
-    hp::barrier(all).wait();
-    if (rank == 0) {
-      std::printf("exported %s/model.pt and %s/optim.pt\n", o.export_dir.c_str(),
-                  o.export_dir.c_str());
-    }
+  // Ends the progress bar's line.
+  void finish() const {
+    if (tty_ && rank_ == 0) std::printf("\n");
   }
-  if (std::isnan(final_validation)) {
-    final_validation = validation_loss(model, validation, layout, all);
-  }
-  const std::string sample = o.sample_bytes > 0 ? generate(model, o.prompt, o.sample_bytes, o.seq,
-                                                           static_cast<uint64_t>(o.seed), layout)
-                                                : "";
-  at::Tensor rss = torch::full({1}, peak_rss_mib(), torch::kFloat);
-  at::Tensor all_rss = torch::empty({ranks}, torch::kFloat);
-  hp::all_gather(all_rss, rss, all).wait();
 
-  const bool learned = final_validation < unigram;
-  if (rank == 0) {
-    if (!o.out.empty()) {
-      const std::string svg = hp::trainer::loss_curve_svg(
-          records,
-          "train_decoder: " + with_commas(full_params) + " parameters, " + std::to_string(ranks) +
-              " ranks (" + o.mesh + ")",
-          unigram);
-      std::ofstream(o.out + "/loss.svg.partial") << svg;
-      std::filesystem::rename(o.out + "/loss.svg.partial", o.out + "/loss.svg");
-      std::printf("wrote %s/metrics.jsonl and %s/loss.svg\n", o.out.c_str(), o.out.c_str());
-    }
-    if (!sample.empty()) {
-      std::printf("\nsample:\n%s%s\n\n", printable(o.prompt).c_str(), printable(sample).c_str());
-    }
-    // PaLM's estimate: 6 FLOPs per active parameter and token, plus attention's score and
-    // value products.
-    const double flops_per_token =
-        6.0 * active_params + 12.0 * static_cast<double>(o.layers * o.dim * o.seq);
-    const double achieved = tokens_per_s * flops_per_token;
-    std::printf("peak RSS per rank (MiB):");
-    for (int64_t r = 0; r < ranks; ++r) std::printf(" %.0f", all_rss[r].item<double>());
-    std::printf(
-        "\nmodel FLOPs utilisation %.1f%% (%.2f GFLOP/s of %lld ranks x %.2f GFLOP/s "
-        "measured fp32 matmul)\n",
-        100 * achieved / (static_cast<double>(ranks) * matmul_rate), achieved / 1e9,
-        static_cast<long long>(ranks), matmul_rate / 1e9);
-    std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
-                learned ? "OK" : "FAILED", final_validation, std::exp(final_validation),
-                learned ? "below" : "not below", unigram);
-    std::fflush(stdout);
+  const std::vector<hp::trainer::MetricsRecord>& records() const { return records_; }
+  double tokens_per_s() const { return tokens_per_s_; }
+
+ private:
+  const TrainOptions& o_;
+  int64_t rank_, done_;
+  double unigram_;
+  bool tty_;
+  int64_t log_every_, eval_every_;
+  Clock::time_point start_ = Clock::now(), last_report_ = start_;
+  int64_t last_report_step_;
+  double tokens_per_s_ = 0;
+  std::vector<hp::trainer::MetricsRecord> records_;  // rank 0's, with --out
+  std::optional<hp::trainer::MetricsLog> metrics_;
+};
+
+// ---- The start and the end of a run ----------------------------------------------------
+
+void print_header(const TrainOptions& o, const Job& job, const TextData& data,
+                  const ModelSize& size, int64_t local_params, const std::string& resolved) {
+  if (job.rank != 0) return;
+  const hp::trainer::TextCorpus& corpus = *data.corpus;
+  std::printf(
+      "train_decoder: byte-level language model on %zu text files (%s training bytes, "
+      "%s validation bytes); unigram baseline %.4f nats per byte\n",
+      corpus.files().size(), with_commas(corpus.size(hp::trainer::Split::kTrain)).c_str(),
+      with_commas(corpus.size(hp::trainer::Split::kValidation)).c_str(), data.unigram);
+  std::printf("  ranks %lld, parameters %s full, %s on rank 0 (sharded)\n",
+              static_cast<long long>(job.ranks), with_commas(size.params).c_str(),
+              with_commas(local_params).c_str());
+  std::printf("resolved configuration (usable as --config):\n%s\n", resolved.c_str());
+  std::fflush(stdout);
+}
+
+// What rank 0 prints at the end; `learned`: the verdict.
+struct Summary {
+  double validation_loss = 0;
+  bool learned = false;
+  std::string sample;
+  at::Tensor peak_rss_mib;  // [ranks]
+  double matmul_rate = 0;   // FLOP/s, measured before training
+};
+
+void print_summary(const TrainOptions& o, const Job& job, const TextData& data,
+                   const ModelSize& size, const Progress& progress, const Summary& summary) {
+  if (job.rank != 0) return;
+  if (!o.out.empty()) {
+    const std::string svg =
+        hp::trainer::loss_curve_svg(progress.records(),
+                                    "train_decoder: " + with_commas(size.params) + " parameters, " +
+                                        std::to_string(job.ranks) + " ranks (" + o.mesh + ")",
+                                    data.unigram);
+    std::ofstream(o.out + "/loss.svg.partial") << svg;
+    std::filesystem::rename(o.out + "/loss.svg.partial", o.out + "/loss.svg");
+    std::printf("wrote %s/metrics.jsonl and %s/loss.svg\n", o.out.c_str(), o.out.c_str());
   }
+  if (!summary.sample.empty()) {
+    std::printf("\nsample:\n%s%s\n\n", printable(o.prompt).c_str(),
+                printable(summary.sample).c_str());
+  }
+  // PaLM's estimate: 6 FLOPs per active parameter and token, plus attention's score and
+  // value products.
+  const double flops_per_token =
+      6.0 * size.active_params + 12.0 * static_cast<double>(o.layers * o.dim * o.seq);
+  const double achieved = progress.tokens_per_s() * flops_per_token;
+  std::printf("peak RSS per rank (MiB):");
+  for (int64_t r = 0; r < job.ranks; ++r) {
+    std::printf(" %.0f", summary.peak_rss_mib[r].item<double>());
+  }
+  std::printf(
+      "\nmodel FLOPs utilisation %.1f%% (%.2f GFLOP/s of %lld ranks x %.2f GFLOP/s "
+      "measured fp32 matmul)\n",
+      100 * achieved / (static_cast<double>(job.ranks) * summary.matmul_rate), achieved / 1e9,
+      static_cast<long long>(job.ranks), summary.matmul_rate / 1e9);
+  std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
+              summary.learned ? "OK" : "FAILED", summary.validation_loss,
+              std::exp(summary.validation_loss), summary.learned ? "below" : "not below",
+              data.unigram);
+  std::fflush(stdout);
+}
+
+// ---- The run ---------------------------------------------------------------------------
+
+int train(const TrainOptions& o, const std::string& resolved) {
+  const Job job = join_job(o);
+  const hp::trainer::ParallelLayout& layout = job.layout;
+  TextData data = load_data(o, job);
+
+  Decoder model = deferred_decoder(o, layout);
+  const ModelSize size = size_of(model);
+  shard(model, o, layout);
+  if (!o.save.empty()) check_writable("--save", o.save, job.rank, job.all());
+  if (!o.export_dir.empty()) check_writable("--export", o.export_dir, job.rank, job.all());
+  if (!o.out.empty()) check_writable("--out", o.out, job.rank, job.all());
+  const std::string resume_from = checkpoint_to_resume(o, job.rank);
+  if (resume_from.empty()) hp::materialize(*model);  // a resumed run loads its values
+  print_header(o, job, data, size, numel_of(model->parameters()), resolved);
+
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
+  const int64_t done = resume_from.empty() ? 0 : resume(resume_from, model, optimizer, job.rank);
+  const InjectedFault fault = fault_of_this_attempt(o, job.ranks);
+  Summary summary;
+  summary.matmul_rate = measured_matmul_rate(job.all());
+  Progress progress(o, job, done, data.unigram);  // its clock starts here
+  std::optional<double> validation;               // the latest
+
+  for (int64_t step = done + 1; step <= o.steps; ++step) {
+    fail_if_due(fault, step, job.rank, o.fail_by_kill);
+    // The third step: the implicit prefetch order is known and warm-up allocations are done.
+    const bool traced = !o.trace.empty() && step == done + 3;
+    if (traced) hp::trace::start(job.world->device());
+    const StepResult result =
+        train_step(model, optimizer, data.batches->at_step(step), step, o, layout);
+    if (traced) write_trace(o.trace, job.rank, hp::trace::stop());
+
+    at::Tensor mean_loss = result.loss.detach().clone();
+    hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
+    if (o.save_every > 0 && step % o.save_every == 0 && step != o.steps) {
+      save(o, step, model, optimizer, job);
+    }
+    if (!progress.logs(step) && !progress.evaluates(step)) continue;
+    hp::trainer::MetricsRecord record =
+        progress.measure(step, mean_loss.item<double>(), result.grad_norm);
+    if (progress.evaluates(step)) {
+      record.validation_loss = validation =
+          validation_loss(model, data.validation, layout, job.all());
+    }
+    progress.report(record);
+  }
+  progress.finish();
+
+  if (!o.save.empty()) save(o, o.steps, model, optimizer, job);
+  if (!o.export_dir.empty()) export_full(o.export_dir, model, optimizer, job);
+  summary.validation_loss =
+      validation ? *validation : validation_loss(model, data.validation, layout, job.all());
+  summary.learned = summary.validation_loss < data.unigram;
+  if (o.sample_bytes > 0) {
+    summary.sample =
+        generate(model, o.prompt, o.sample_bytes, o.seq, static_cast<uint64_t>(o.seed), layout);
+  }
+  summary.peak_rss_mib = torch::empty({job.ranks}, torch::kFloat);
+  hp::all_gather(summary.peak_rss_mib, torch::full({1}, peak_rss_mib(), torch::kFloat), job.all())
+      .wait();
+  print_summary(o, job, data, size, progress, summary);
   // Every rank exits with the verdict, after rank 0 printed it: a launcher stops the
   // others at the first nonzero exit.
-  hp::barrier(all).wait();
-  world->shutdown();  // the process groups end here, not in static destructors
-  return learned ? 0 : 1;
+  hp::barrier(job.all()).wait();
+  job.world->shutdown();  // the process groups end here, not in static destructors
+  return summary.learned ? 0 : 1;
 }
 
 // Before the world is joined: only rank 0 (or a plain single process) prints.

@@ -46,25 +46,8 @@ const CLI::Validator kFinite(
     },
     "FINITE");
 
-}  // namespace
-
-ParsedOptions parse_train_options(int argc, char** argv, bool print) {
-  ParsedOptions parsed;
-  TrainOptions& o = parsed.options;
-  CLI::App app(
-      "Trains a byte-level decoder-only transformer with fully_shard (HSDP on a 2x2 mesh by "
-      "default) on text files: validation loss and perplexity as it goes, a generated sample "
-      "at the end. Exits 0 when the final validation loss is below the corpus's unigram "
-      "baseline. Run it with hp-run (or torchrun), e.g. hp-run -n 4 -- train_decoder --data "
-      "docs.",
-      "train_decoder");
-  app.set_config("--config", "",
-                 "TOML file of options (names as the long flags, e.g. steps = 600); flags on "
-                 "the command line override it");
-  app.config_formatter(std::make_shared<TomlConfig>(app));
-  app.allow_config_extras(CLI::config_extras_mode::error);
-  app.option_defaults()->always_capture_default();
-
+// The text and its split.
+void add_data_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--data", o.data, "text files and directories (searched recursively)")
       ->required()
       ->group("Data");
@@ -73,7 +56,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->check(kFinite)
       ->check(CLI::Range(0.01, 0.5))
       ->group("Data");
+}
 
+// The decoder's shape.
+void add_model_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--seq", o.seq, "sequence length in bytes")
       ->check(CLI::Range(2, 1 << 16))
       ->group("Model");
@@ -84,7 +70,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_option("--heads", o.heads, "attention heads, must divide --dim")
       ->check(CLI::Range(1, 1 << 16))
       ->group("Model");
+}
 
+// The optimizer, its schedule and the batch.
+void add_training_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run ends there too)")
       ->check(CLI::Range(1, 10'000'000))
       ->group("Training");
@@ -105,7 +94,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_option("--seed", o.seed, "initialization, data order and sampling")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->group("Training");
+}
 
+// How the ranks divide the work.
+void add_layout_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--mesh", o.mesh,
                  "R replicas x S shards: the data-parallel ranks (R x S x cp x tp = number of "
                  "ranks); R=1: plain FSDP")
@@ -123,6 +115,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
                  "expert-parallel ranks, taken from the S shards: the experts split over them")
       ->check(CLI::PositiveNumber)
       ->group("Parallelism");
+}
+
+// The mixture-of-experts layers (the "Model" group too).
+void add_moe_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--experts", o.experts,
                  "experts per MoE layer; > 0: every odd layer's FFN is a mixture of experts")
       ->check(CLI::NonNegativeNumber)
@@ -135,6 +131,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
       ->check(kFinite)
       ->check(CLI::NonNegativeNumber)
       ->group("Model");
+}
+
+// Precision, communication, recomputation and timeouts.
+void add_runtime_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--mp", o.mp,
                  "bf16: parameters gathered and used in bf16, gradients reduced in fp32")
       ->check(CLI::IsMember({"none", "bf16"}))
@@ -152,7 +152,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_option("--recompute", o.recompute, "activation recomputation of every block")
       ->check(CLI::IsMember({"none", "reentrant", "non-reentrant"}))
       ->group("Parallelism");
+}
 
+// Progress, validation, metrics, traces and the sample.
+void add_output_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--log-every", o.log_every, "steps between progress lines; 0: about 20 per run")
       ->check(CLI::NonNegativeNumber)
       ->group("Output");
@@ -173,7 +176,10 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
                  "record the third step of every rank as DIR/trace_rank<R>.json (Chrome trace) "
                  "and DIR/timeline_rank<R>.svg")
       ->group("Output");
+}
 
+// Saving, resuming, exporting, and fault injection for restart tests.
+void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--save", o.save,
                  "write sharded checkpoints (model, optimizer, step, RNG) as DIR/step-<N>, every "
                  "rank its own shards: at the end and every --save-every steps")
@@ -203,6 +209,82 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
   app.add_flag("--fail-by-kill", o.fail_by_kill,
                "the failing rank dies by SIGKILL (no message, no cleanup) instead of throwing")
       ->group("Checkpoints");
+}
+
+// The first contradiction among options each valid alone; empty when there is none.
+std::string contradiction(const TrainOptions& o, const CLI::App& app) {
+  if (o.dim % o.heads != 0) {
+    return "--heads (" + std::to_string(o.heads) + ") must divide --dim (" + std::to_string(o.dim) +
+           ")";
+  }
+  if (o.shard % o.ep != 0) {
+    return "--ep (" + std::to_string(o.ep) + ") must divide the shards of --mesh (" +
+           std::to_string(o.shard) + "): the expert-parallel ranks are taken from them";
+  }
+  if (o.ep > 1 && o.experts == 0) {
+    return "--ep " + std::to_string(o.ep) + " needs MoE layers: give --experts";
+  }
+  if (o.experts == 0 && (app.count("--top-k") > 0 || app.count("--balance-loss") > 0)) {
+    return std::string(app.count("--top-k") > 0 ? "--top-k" : "--balance-loss") +
+           " applies to MoE layers, and there are none: give --experts";
+  }
+  if (o.experts > 0 && o.experts % o.ep != 0) {
+    return "--experts (" + std::to_string(o.experts) + ") must be divisible by --ep (" +
+           std::to_string(o.ep) + "): each expert-parallel rank holds experts / ep";
+  }
+  if (o.experts > 0 && o.top_k > o.experts) {
+    return "--top-k (" + std::to_string(o.top_k) + ") exceeds --experts (" +
+           std::to_string(o.experts) + ")";
+  }
+  if (o.cp > 1 && o.seq % (2 * o.cp) != 0) {
+    return "--seq (" + std::to_string(o.seq) + ") must be divisible by 2 x --cp (" +
+           std::to_string(2 * o.cp) + "): each rank holds two of 2 x cp equal chunks";
+  }
+  if (o.heads % o.tp != 0) {
+    return "--tp (" + std::to_string(o.tp) + ") must divide --heads (" + std::to_string(o.heads) +
+           ")";
+  }
+  if (o.resume == "auto" && o.save.empty()) {
+    return "--resume auto needs --save DIR (the checkpoints it looks for)";
+  }
+  if (o.save_every > 0 && o.save.empty()) {
+    return "--save-every needs --save DIR";
+  }
+  if (!o.fail_ranks.empty() && o.fail_ranks.size() != o.fail_at_steps.size()) {
+    return "--fail-rank is given " + std::to_string(o.fail_ranks.size()) +
+           " times but --fail-at-step " + std::to_string(o.fail_at_steps.size()) +
+           "; give one rank per step, or none (the last rank)";
+  }
+  return "";
+}
+
+}  // namespace
+
+ParsedOptions parse_train_options(int argc, char** argv, bool print) {
+  ParsedOptions parsed;
+  TrainOptions& o = parsed.options;
+  CLI::App app(
+      "Trains a byte-level decoder-only transformer with fully_shard (HSDP on a 2x2 mesh by "
+      "default) on text files: validation loss and perplexity as it goes, a generated sample "
+      "at the end. Exits 0 when the final validation loss is below the corpus's unigram "
+      "baseline. Run it with hp-run (or torchrun), e.g. hp-run -n 4 -- train_decoder --data "
+      "docs.",
+      "train_decoder");
+  app.set_config("--config", "",
+                 "TOML file of options (names as the long flags, e.g. steps = 600); flags on "
+                 "the command line override it");
+  app.config_formatter(std::make_shared<TomlConfig>(app));
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.option_defaults()->always_capture_default();
+  // In this order in the resolved configuration.
+  add_data_options(app, o);
+  add_model_options(app, o);
+  add_training_options(app, o);
+  add_layout_options(app, o);
+  add_moe_options(app, o);
+  add_runtime_options(app, o);
+  add_output_options(app, o);
+  add_checkpoint_options(app, o);
 
   std::ostringstream out, err;
   try {
@@ -216,44 +298,12 @@ ParsedOptions parse_train_options(int argc, char** argv, bool print) {
     parsed.exit_code = code == 0 ? 0 : 2;
     return parsed;
   }
-  const auto usage_error = [&](const std::string& message) {
-    if (print) std::fprintf(stderr, "train_decoder: %s (see --help)\n", message.c_str());
-    parsed.exit_code = 2;
-  };
   const size_t x = o.mesh.find('x');
   o.replicate = std::stoll(o.mesh.substr(0, x));
   o.shard = std::stoll(o.mesh.substr(x + 1));
-  if (o.dim % o.heads != 0) {
-    usage_error("--heads (" + std::to_string(o.heads) + ") must divide --dim (" +
-                std::to_string(o.dim) + ")");
-  } else if (o.shard % o.ep != 0) {
-    usage_error("--ep (" + std::to_string(o.ep) + ") must divide the shards of --mesh (" +
-                std::to_string(o.shard) + "): the expert-parallel ranks are taken from them");
-  } else if (o.ep > 1 && o.experts == 0) {
-    usage_error("--ep " + std::to_string(o.ep) + " needs MoE layers: give --experts");
-  } else if (o.experts == 0 && (app.count("--top-k") > 0 || app.count("--balance-loss") > 0)) {
-    usage_error(std::string(app.count("--top-k") > 0 ? "--top-k" : "--balance-loss") +
-                " applies to MoE layers, and there are none: give --experts");
-  } else if (o.experts > 0 && o.experts % o.ep != 0) {
-    usage_error("--experts (" + std::to_string(o.experts) + ") must be divisible by --ep (" +
-                std::to_string(o.ep) + "): each expert-parallel rank holds experts / ep");
-  } else if (o.experts > 0 && o.top_k > o.experts) {
-    usage_error("--top-k (" + std::to_string(o.top_k) + ") exceeds --experts (" +
-                std::to_string(o.experts) + ")");
-  } else if (o.cp > 1 && o.seq % (2 * o.cp) != 0) {
-    usage_error("--seq (" + std::to_string(o.seq) + ") must be divisible by 2 x --cp (" +
-                std::to_string(2 * o.cp) + "): each rank holds two of 2 x cp equal chunks");
-  } else if (o.heads % o.tp != 0) {
-    usage_error("--tp (" + std::to_string(o.tp) + ") must divide --heads (" +
-                std::to_string(o.heads) + ")");
-  } else if (o.resume == "auto" && o.save.empty()) {
-    usage_error("--resume auto needs --save DIR (the checkpoints it looks for)");
-  } else if (o.save_every > 0 && o.save.empty()) {
-    usage_error("--save-every needs --save DIR");
-  } else if (!o.fail_ranks.empty() && o.fail_ranks.size() != o.fail_at_steps.size()) {
-    usage_error("--fail-rank is given " + std::to_string(o.fail_ranks.size()) +
-                " times but --fail-at-step " + std::to_string(o.fail_at_steps.size()) +
-                "; give one rank per step, or none (the last rank)");
+  if (const std::string message = contradiction(o, app); !message.empty()) {
+    if (print) std::fprintf(stderr, "train_decoder: %s (see --help)\n", message.c_str());
+    parsed.exit_code = 2;
   }
   parsed.resolved = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
   return parsed;

@@ -11,7 +11,7 @@ class Placement {
   // Split along `dim` (negative counts from the end) into equal chunks; the last
   // ranks may hold padding only.
   static Placement shard(int64_t dim) { return Placement(false, dim); }
-  // Every rank holds the full tensor; its gradient is all-reduced over the data-parallel
+  // Every rank holds the whole tensor; its gradient is all-reduced over the data-parallel
   // ranks (shard x replicate).
   static Placement replicate() { return Placement(true, 0); }
 

@@ -76,7 +76,7 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   for (const CommBuffer& input : inputs) {
     if (input.owned) result.temporaries.push_back(input.tensor);
   }
-  const int64_t world = group.size();
+  const int64_t shards = group.size();
   if (!comm_fusion) {
     result.handle = coalesced(group, inputs.front().tensor.device().type(), [&] {
       std::vector<CommHandle> gathers;
@@ -104,7 +104,7 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   for (size_t i = 0; i < inputs.size(); ++i) {
     input.narrow(0, offsets[i], inputs[i].tensor.numel()).copy_(inputs[i].tensor);
   }
-  at::Tensor output = at::empty({world, total}, input.options());
+  at::Tensor output = at::empty({shards, total}, input.options());
   for (size_t i = 0; i < inputs.size(); ++i) {
     result.outputs.push_back(output.narrow(1, offsets[i], inputs[i].tensor.numel()));
   }
@@ -139,16 +139,16 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   }
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   result.buffer = at::empty({total}, options);
-  const int64_t world = group.size();
-  if (comm_fusion && world > 1) {
+  const int64_t shards = group.size();
+  if (comm_fusion && shards > 1) {
     // One reduce-scatter: rank-major input laid out like the buffer, so its output
     // lands in the buffer as is.
-    at::Tensor input = at::empty({world, total}, options);
+    at::Tensor input = at::empty({shards, total}, options);
     zero_between_slots(input, result.offsets, params);
     for (size_t i = 0; i < params.size(); ++i) {
       std::vector<CommBuffer> part = {params[i]->reduce_scatter_input(grads[i], reduce_dtype)};
       const int64_t n = params[i]->layout().padded_numel;
-      input.narrow(1, result.offsets[i], n).copy_(part.front().tensor.view({world, n}));
+      input.narrow(1, result.offsets[i], n).copy_(part.front().tensor.view({shards, n}));
       // Copied: released now rather than after the collective, so that the fused
       // input does not double the gradient memory of a reduction in flight.
       release_copied_input(part.front(), stats);

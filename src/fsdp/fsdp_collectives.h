@@ -25,7 +25,7 @@ struct ReduceBufferStats {
 
 struct AllGatherResult {
   CommHandle handle;
-  // Per parameter, its rank-major [world x padded_numel] gathered data: the parameter's
+  // Per parameter, its rank-major [shards x padded_numel] gathered data: the parameter's
   // own unsharded storage where the layout allows (per-parameter mode, Shard(0)), a
   // view of the one fused output buffer with comm_fusion.
   std::vector<at::Tensor> outputs;

@@ -105,28 +105,33 @@ void FSDPState::lazy_init_as_root() {
   for (const auto& [label, state] : subtree_()) {
     // A state already driven by another root keeps it (it is used standalone).
     if (state.get() != this && state->initialized() && !state->is_root()) continue;
-    // Settings made on a module (its own schedule, or the one of the tree it was the root
-    // of) that turns out not to be the root would be lost.
-    const bool own_settings = !state->schedule_->has_had_root() || state->is_root();
-    if (state.get() != this && own_settings) {
-      TORCH_CHECK(!state->schedule_->is_last_backward_set(),
-                  "set_is_last_backward was called on a module that turned out not "
-                  "to be the root; call it on the root module");
-      TORCH_CHECK(!state->schedule_->implicit_prefetch_set(),
-                  "set_implicit_prefetch was called on a module that turned out not "
-                  "to be the root; call it on the root module");
-    }
+    if (state.get() != this) state->check_no_root_settings();
     driven.emplace_back(label, state);
   }
   // One set of communication streams for every module this root drives.
   schedule_->set_root(shared_from_this(), param_group_->mesh_info().world->device());
-  for (auto& [label, state] : driven) {
-    state->schedule_ = schedule_;
-    state->param_group_->set_streams(schedule_->streams());
-    state->label_ = state.get() == this ? "root" : label;
-    state->param_group_->set_label(state->label_);
-    schedule_->adopt(state);
-  }
+  for (auto& [label, state] : driven)
+    state->join_schedule(schedule_, state.get() == this ? "root" : label);
+}
+
+void FSDPState::check_no_root_settings() const {
+  // Settings made on a module (its own schedule, or the one of the tree it was the root
+  // of) that turns out not to be the root would be lost.
+  if (schedule_->has_had_root() && !is_root()) return;
+  TORCH_CHECK(!schedule_->is_last_backward_set(),
+              "set_is_last_backward was called on a module that turned out not "
+              "to be the root; call it on the root module");
+  TORCH_CHECK(!schedule_->implicit_prefetch_set(),
+              "set_implicit_prefetch was called on a module that turned out not "
+              "to be the root; call it on the root module");
+}
+
+void FSDPState::join_schedule(const std::shared_ptr<RootSchedule>& schedule, std::string label) {
+  schedule_ = schedule;
+  param_group_->set_streams(schedule_->streams());
+  label_ = std::move(label);
+  param_group_->set_label(label_);
+  schedule_->adopt(shared_from_this());
 }
 
 void FSDPState::finish_pending_reductions() { param_group_->finish_reduce(); }

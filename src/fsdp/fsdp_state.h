@@ -116,6 +116,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void recompute_pre_forward(const std::vector<at::Tensor*>& inputs);
   void recompute_post_forward(const std::vector<at::Tensor*>& outputs);
   void lazy_init_as_root();
+  // Throws if a root-only setting was made on this state while it was its own root.
+  void check_no_root_settings() const;
+  // Joins `schedule` (its root's) under `label`: its streams, its reductions.
+  void join_schedule(const std::shared_ptr<RootSchedule>& schedule, std::string label);
   // Unshards this module, prefetching `explicit_list` if set, else `implicit_next`.
   void unshard_then_prefetch(const std::vector<std::weak_ptr<FSDPState>>& explicit_list,
                              FSDPState* implicit_next);
