@@ -3,7 +3,7 @@
 // all (a group of size 1, or a state change deferred until someone needs it). Both may
 // carry a completion callback that runs exactly once, at the first wait() — this is what
 // lets a size-1 prefetch record a pending unshard without materialising anything early
-// (seed 000), and what turns Gloo's SUM into a real average.
+// (it materialises from the latest shard), and what turns Gloo's SUM into a real average.
 
 #include <c10/util/intrusive_ptr.h>
 

@@ -28,8 +28,8 @@ void zero_between_slots(const at::Tensor& rows, const std::vector<int64_t>& offs
   }
 }
 
-// Frees a reduce-scatter input this library allocated (seed 002: a view of the caller's
-// gradient is only dropped).
+// Frees a reduce-scatter input this library allocated (a view of the caller's gradient
+// is only dropped: the caller still owns it).
 void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
   if (input.owned) {
     free_storage(input.tensor);

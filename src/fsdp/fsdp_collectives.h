@@ -16,8 +16,8 @@
 
 namespace hp::detail {
 
-// What gradient reduction did with reduce-scatter inputs (seed 002: the library frees
-// only buffers it allocated). Read by tests.
+// What gradient reduction did with reduce-scatter inputs (the library frees only
+// buffers it allocated). Read by tests.
 struct ReduceBufferStats {
   int64_t freed_owned = 0;   // buffers this library allocated, freed after use
   int64_t kept_aliased = 0;  // views of the caller's gradient, left alone
@@ -79,8 +79,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
 // before dropping buffers that collectives already issued still write into.
 void wait_issued(std::vector<CommHandle>& issued) noexcept;
 
-// Frees the inputs this library allocated (seed 002: a view of the caller's gradient is
-// only dropped), and drops the gradients kept with them.
+// Frees the inputs this library allocated (a view of the caller's gradient is only
+// dropped), and drops the gradients kept with them.
 void release_reduce_inputs(ReduceScatterResult& result, ReduceBufferStats& stats);
 
 // Adds each parameter's slot of the reduced buffer to its sharded gradient (see

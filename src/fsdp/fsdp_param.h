@@ -61,8 +61,8 @@ struct ShardLayout {
 };
 
 // A tensor handed to a collective, and whether this library allocated it for that (then
-// it is freed once the collective is done with it). Seed 002: a view of the caller's
-// gradient, or the shard itself, is never freed by us.
+// it is freed once the collective is done with it). A view of the caller's gradient, or
+// the shard itself, is never freed here.
 struct CommBuffer {
   at::Tensor tensor;
   bool owned = false;

@@ -118,7 +118,7 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   if (mesh_info_.shard->size() == 1 || params_.empty()) {
     trace::record(trace::Kind::kIssue, "all_gather", label_);
     // No communication: record the pending unshard; materialise from the latest shard
-    // when someone waits (seed 000).
+    // when someone waits.
     return CommHandle::deferred([this] {
       if (state_ != State::kPending) return;
       for (auto& p : params_) p->unshard_locally();

@@ -6,7 +6,7 @@
 // Unshard is a small state machine: sharded -> pending -> unsharded. "Pending" is
 // always represented by a CommHandle, also when no collective is needed (shard group of
 // size 1): the handle then carries the materialisation, run from the latest shard at
-// the first wait() (seed 000), never earlier.
+// the first wait(), never earlier.
 
 #include <cstdint>
 #include <memory>

@@ -206,6 +206,22 @@ HP_DIST_TEST(ShardedCheckpoint, DamagedIncompleteAndUnwritableAreRefused, 2) {
   remove_after_all_ranks(dir);
 }
 
+// A flipped bit in the first tensor of a model-only checkpoint (at the start of the data,
+// far from the optimizer state the test above damages) is refused by that tensor's CRC-32.
+HP_DIST_TEST(ShardedCheckpoint, AFlippedBitInTheFirstTensorIsRefused, 1) {
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  const std::string dir = shared_dir("hp_sharded_flipped");
+  const std::string checkpoint = checkpoint_dir_for_step(dir, 1);
+  save_sharded_checkpoint(checkpoint, *model);
+  const std::string file = checkpoint + "/rank-00000.safetensors";
+  uint64_t header_bytes = 0;  // safetensors: u64 little-endian header size, header, data
+  std::ifstream(file, std::ios::binary).read(reinterpret_cast<char*>(&header_bytes), 8);
+  flip_byte(file, static_cast<std::streamoff>(fs::file_size(file) - (8 + header_bytes + 5)));
+  const std::string damaged = error_of([&] { load_sharded_checkpoint(checkpoint, *model); });
+  EXPECT_TRUE(contains(damaged, "in " + file + " is damaged: CRC-32 ")) << damaged;
+  remove_after_all_ranks(dir);
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream stream(path);
   return {std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};

@@ -114,7 +114,39 @@ HP_DIST_TEST(SizeOneShardGroup, AARunsWithSizeOneBackwardPrefetchAreBitwiseEqual
   EXPECT_LT(first.back().first, first.front().first) << "the model trains";
 }
 
-// --- Seed 002 ------------------------------------------------------------------------
+// End to end, against plain LibTorch on the global batch: unshards issued before the
+// optimizer step (a prefetch of the next forward) are used by that forward, which must see
+// the values the step wrote: a size-1 unshard materialises at its wait, not at its issue.
+HP_DIST_TEST(SizeOneShardGroup, UnshardsIssuedBeforeTheStepUseTheUpdatedShards, 2) {
+  torch::manual_seed(5);
+  Mlp reference(5, 8, 12, 3, 2);
+  torch::manual_seed(5);
+  Sharded<Mlp> model(5, 8, 12, 3, 2);
+  FullyShardOptions options;
+  options.mesh = replicate_only_mesh();
+  std::vector<FSDPModule> modules;
+  for (auto& block : model->blocks) modules.push_back(fully_shard(block, options));
+  modules.push_back(fully_shard(model, options));
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::manual_seed(100);
+  const at::Tensor x = torch::randn({8, 5}), y = torch::randn({8, 3});
+  std::vector<CommHandle> prefetches;
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    const testing::StepLosses losses =
+        testing::backward_on_global_batch(reference, model, x, y, testing::mse_loss);
+    EXPECT_NEAR(testing::mean_over_ranks(losses.local).item<double>(),
+                losses.reference.item<double>(), 1e-5)
+        << "the forward used the parameters of the step before";
+    prefetches.clear();
+    for (FSDPModule& module : modules) prefetches.push_back(module.unshard(/*async_op=*/true));
+    ref_opt.step();
+    opt.step();
+  }
+}
 
 struct ReduceCase {
   std::vector<int64_t> shape;

@@ -1,4 +1,4 @@
-// The communication schedule of the overlap design (seed 001), checked as the exact
+// The communication schedule of the overlap design, checked as the exact
 // order of collective issues and waits — not timing. 4-block model, 2x2 HSDP.
 #include <torch/torch.h>
 
