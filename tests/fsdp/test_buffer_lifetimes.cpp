@@ -210,8 +210,9 @@ HP_DIST_TEST(ReduceScatterInputs, ReduceFreesOnlyBuffersItAllocated, 2) {
   }
 }
 
-// The seed's configuration end to end: fp32 parameters with reduce_dtype=fp32 and
-// apply_grad_on_fp32_main_grad, comm_fusion off. Gradients stay right across steps.
+// End to end with fp32 parameters, reduce_dtype=fp32 and apply_grad_on_fp32_main_grad,
+// comm_fusion off (reduce-scatters from views of the gradients): gradients stay right
+// across steps.
 HP_DIST_TEST(ReduceScatterInputs, SameDtypeReduceTrainsCorrectly, 2) {
   torch::manual_seed(42);
   Mlp reference(5, 8, 9, 3, 2);
@@ -237,7 +238,8 @@ HP_DIST_TEST(ReduceScatterInputs, SameDtypeReduceTrainsCorrectly, 2) {
   }
   int64_t aliased = 0;
   for (auto& [prefix, module] : parts) aliased += testing::reduce_buffer_stats(module).kept_aliased;
-  EXPECT_GT(aliased, 0) << "the aligned same-dtype path (the seed's trigger) was exercised";
+  EXPECT_GT(aliased, 0)
+      << "the aligned same-dtype path (reduce-scatter from a view of the gradient) was exercised";
 }
 
 }  // namespace
