@@ -103,6 +103,8 @@ class World {
   // hosts a TCPStore on MASTER_PORT (under torchrun, its agent does), every rank
   // registers there and waits for all the others. Throws c10::DistNetworkError naming the
   // missing ranks, or c10::ValueError naming a bad variable, within the timeout.
+  // Sets SIGPIPE to be ignored unless the program handles it (as Python does): a peer that
+  // is gone then fails a collective with an error instead of killing this rank.
   static std::shared_ptr<World> from_env(WorldOptions options = {});
   static std::shared_ptr<World> create(const LaunchEnv& env, WorldOptions options = {});
   ~World();

@@ -1,6 +1,7 @@
 #include "hyperparallel/process_group.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,18 @@ c10::Device own_device(const LaunchEnv& env) {
 }
 
 std::string device_key(int64_t rank) { return "hp/device/" + std::to_string(rank); }
+
+// Gloo writes to its sockets with writev, which raises SIGPIPE once a peer is gone: its
+// default action would kill this rank without a word instead of the collective failing
+// with an error naming the peer. Ignored, as Python (so every PyTorch job) ignores it; a
+// handler the program installed is kept.
+void ignore_sigpipe_unless_handled() {
+  struct sigaction current{};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) &&
+      current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
 
 }  // namespace
 
@@ -133,6 +146,7 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
 }
 
 std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options) {
+  ignore_sigpipe_unless_handled();
   const std::chrono::milliseconds timeout =
       options.timeout.value_or(env.timeout.value_or(std::chrono::minutes(5)));
   if (timeout.count() <= 0) {
