@@ -1,74 +1,133 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with a CUDA GPU, builds natively against an installed CUDA
-# LibTorch (scripts/in_env.sh: CMAKE_PREFIX_PATH, the system, python3's torch) into
-# build-gpu/ and runs what needs a GPU. One GPU is enough; NCCL needs a GPU per rank, so
-# multi-rank NCCL stays untested on one (docs/gpu.md). Prints each step's time; exits
-# nonzero at the first failure. Usage: scripts/gpu_check.sh [BUILD_DIR]
+# The GPU check: runs what needs a GPU, on a machine with one or more CUDA GPUs and a
+# CUDA build of PyTorch >= 2.6 in python3, without network. It builds natively against
+# that torch into BUILD_DIR (default build-gpu/) with every core, only the targets it runs.
+# The Debian packages the build needs besides torch travel with the tree: fetch them
+# where there is network first (scripts/offline_packages.sh fetch -> .offline/debs); they
+# are unpacked into BUILD_DIR, never into /.
+#
+# Everything up to the build runs without a GPU. One GPU is enough for everything here: one-rank groups get a real one-rank NCCL group
+# (HP_ONE_RANK_GROUPS_COMMUNICATE=1), so the lanes, held memory, coalesced and fused
+# collectives and the all-reduce lane all run. Multi-rank NCCL needs a GPU per rank
+# (docs/gpu.md). Prints each step's time; exits nonzero at the first failure and prints
+# "gpu_check: PASS" at the end otherwise.
+#   scripts/gpu_check.sh [--quick] [BUILD_DIR]     --quick: the second run (no trainer, no
+#                                                  benchmark, no trace)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+[ "${1:-}" = --quick ] && { quick=1; shift; }
 build=${1:-build-gpu}
-run=scripts/in_env.sh
 began=$(date +%s)
 step() { echo "== $* ($(($(date +%s) - began)) s)"; }
+fail() { echo "gpu_check: FAIL: $*" >&2; exit 1; }
+
+step "torch"
+torch_prefix=$(python3 - <<'PY'
+import sys
+try:
+    import torch
+except ImportError as e:
+    sys.exit(f"gpu_check: python3 has no torch ({e}); install a CUDA build of PyTorch >= 2.6")
+major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+print(f"torch {torch.__version__} from {torch.__file__}, CUDA {torch.version.cuda}, "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}, "
+      f"{torch.cuda.device_count()} device(s)", file=sys.stderr)
+if (major, minor) < (2, 6):
+    sys.exit(f"gpu_check: torch {torch.__version__} is older than 2.6, which HyperParallel needs")
+if torch.version.cuda is None:
+    sys.exit(f"gpu_check: python3's torch {torch.__version__} is not a CUDA build")
+print(torch.utils.cmake_prefix_path)
+PY
+) || exit 1
+
+step "packages"
+prefixes=$torch_prefix
+if [ -d .offline/debs ]; then
+  offline=$(scripts/offline_packages.sh unpack .offline/debs "$build/offline") ||
+    fail "could not unpack .offline/debs"
+  prefixes="$prefixes;$offline"
+  echo "unpacked $(ls .offline/debs | wc -l) packages into $build/offline"
+else
+  echo "no .offline/debs: CMake looks for GoogleTest, nlohmann-json, libzip, CLI11 and toml++ on the system"
+fi
+
+step "build ($(nproc) jobs)"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefixes" \
+  -DPython3_EXECUTABLE="$(command -v python3)" >"$build.configure.log" 2>&1 ||
+  { cat "$build.configure.log"; fail "cmake could not configure (above)"; }
+grep -E "Torch|NCCL|HP_" "$build.configure.log" || true
+cmake --build "$build" -j "$(nproc)" --target test_cuda stream_check hp-run train_decoder hp_bench
 
 step "GPU"
-if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; then
-  echo "gpu_check: no GPU here (nvidia-smi failed); this check needs one" >&2
-  exit 1
-fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
+  fail "no GPU here (nvidia-smi failed); everything from here on needs one"
+python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' ||
+  fail "python3's torch sees no GPU"
 
-step "build (native, $(nproc) jobs)"
-$run cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
-$run cmake --build "$build" -j "$(nproc)"
-$run python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
-      "devices", torch.cuda.device_count())' || true
+export HP_ONE_RANK_GROUPS_COMMUNICATE=1
+hp_run=("$build/hp-run" -n 1 --timeout 300 --)
 
 step "fully_shard on one GPU against the CPU reference (tests/fsdp/test_cuda.cpp)"
-out=$(mktemp)
-$run ctest --test-dir "$build" -R '^Cuda\.' --output-on-failure --no-tests=error -V | tee "$out"
-if grep -q "SKIPPED" "$out"; then
-  echo "gpu_check: the CUDA tests were skipped: this process sees no CUDA device" >&2
-  exit 1
-fi
-
-step "single-process tests on the GPU machine's build"
-$run ctest --test-dir "$build" -L unit --output-on-failure -j "$(nproc)"
-
-step "trainer on one GPU rank, 500 steps (fully_shard moves the CPU-built model to cuda:0)"
-$run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
-  --mesh 1x1 --data README.md --data docs --log-every 100 --out "$build/gpu_demo"
-
-# Streams that race show as a run that differs from the same run with every kernel
-# synchronous. Large parameters make the lanes' copies and the holds' reuse of memory real.
-step "stream-race stress: 150 steps of a 1024-wide model, bitwise equal to CUDA_LAUNCH_BLOCKING=1"
-stress() {
-  $run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
-    --mesh 1x1 --data README.md --data docs --dim 1024 --layers 4 --heads 8 --steps 150 \
-    --mp "$1" --log-every 10 --out "$build/gpu_stress_$1_$2" | grep -oE 'step +[0-9]+/[0-9]+  loss [0-9.]+  grad norm +[0-9.]+'
-}
-for mp in none bf16; do
-  stress "$mp" async >"$build/stress_async_$mp.txt"
-  CUDA_LAUNCH_BLOCKING=1 stress "$mp" blocking >"$build/stress_blocking_$mp.txt"
-  if ! cmp -s "$build/stress_async_$mp.txt" "$build/stress_blocking_$mp.txt"; then
-    echo "gpu_check: --mp $mp differs from the CUDA_LAUNCH_BLOCKING=1 run (a stream race):" >&2
-    diff "$build/stress_async_$mp.txt" "$build/stress_blocking_$mp.txt" >&2 || true
-    exit 1
-  fi
-  [ -s "$build/stress_async_$mp.txt" ] || { echo "gpu_check: no step lines" >&2; exit 1; }
+for communicate in 0 1; do
+  out=$(mktemp)
+  HP_ONE_RANK_GROUPS_COMMUNICATE=$communicate "$build/tests/test_cuda" | tee "$out"
+  grep -q "SKIPPED" "$out" && fail "the CUDA tests were skipped: this process sees no CUDA device"
+  grep -q "PASSED" "$out" || fail "test_cuda passed nothing"
 done
 
-# The same model, batches and timing loop in both programs (bench/), one after the other:
-# step time of fully_shard and of FSDP2 at world size 1, each against its own program's
-# unwrapped model.
-step "step time at world size 1: unwrapped vs fully_shard (hp_bench) and vs FSDP2 (fsdp2_bench.py)"
-shape=(--dim 1024 --layers 8 --heads 8 --seq 512 --batch 8 --steps 20 --warmup 3)
-{
-  $run "$build/hp-run" -n 1 --timeout 300 -- "$build/bench/hp_bench" --no-copy-count \
-    --variants local,hp,hp:fusion,hp:keep "${shape[@]}"
-  $run "$build/hp-run" -n 1 --timeout 300 -- python3 bench/fsdp2_bench.py --device cuda \
-    --variants local,fsdp2 "${shape[@]}"
-} | grep '^RESULT ' | sed 's/^RESULT //' >"$build/step_time.jsonl"
-$run python3 - "$build/step_time.jsonl" <<'PY'
+# Each variant's printed losses, gradient norms and checksum must be bitwise equal across
+# the modes: the communication streams as they are, with delays injected on the lanes and
+# before compute's events, with every kernel synchronous, with no lanes at all, and with
+# one-rank groups not communicating (no collectives: the shortcuts). --probe runs a block
+# on its own right after a slow optimizer step.
+step "stream check: every mode bitwise equal"
+modes=("" "HP_DEBUG_STREAMS=delay" "CUDA_LAUNCH_BLOCKING=1" "HP_DEBUG_STREAMS=serial"
+       "HP_ONE_RANK_GROUPS_COMMUNICATE=0")
+for variant in "--probe" "--fusion --replicate --mp bf16" "--keep --recompute --mp fp16"; do
+  echo "-- stream_check $variant"
+  # shellcheck disable=SC2086  # the variant is a list of options
+  tests/fsdp/same_output.sh "${modes[@]}" -- "${hp_run[@]}" "$build/tests/stream_check" \
+    --width 1024 --steps 20 $variant || fail "stream_check $variant differs between modes (above)"
+done
+
+# With every lane and compute event sleeping 20 ms, a forward that only issues work
+# returns in well under 20 ms of host time; one that blocked on the device would not.
+# In a steady loop the device memory allocated and reserved stay the same.
+step "host-blocking and memory probes"
+probe="$build/probe.txt"
+HP_DEBUG_STREAMS=delay HP_DEBUG_STREAMS_DELAY_US=20000 "${hp_run[@]}" "$build/tests/stream_check" \
+  --width 1024 --steps 6 --report 2>"$probe" >/dev/null || { cat "$probe"; fail "stream_check --report"; }
+cat "$probe"
+longest=$(sed -n 's/^longest host time of a forward after step 2: \([0-9.]*\) ms$/\1/p' "$probe")
+[ -n "$longest" ] && python3 -c "import sys; sys.exit(not $longest < 20)" ||
+  fail "a forward blocked the host (${longest:-no} ms with 20 ms device sleeps)"
+"${hp_run[@]}" "$build/tests/stream_check" --width 1024 --steps 100 --report 2>"$probe" >/dev/null ||
+  { cat "$probe"; fail "stream_check --report"; }
+cat "$probe"
+[ "$(grep -c '^memory after step' "$probe")" -eq 2 ] || fail "no memory report"
+[ "$(grep '^memory after step' "$probe" | sed 's/.*: //' | sort -u | wc -l)" -eq 1 ] ||
+  fail "device memory grew between step 10 and step 100"
+
+if [ $quick = 0 ]; then
+  step "trainer on one GPU rank, 500 steps"
+  "${hp_run[@]}" "$build/examples/train_decoder" --mesh 1x1 --data README.md --data docs \
+    --log-every 100 --out "$build/gpu_demo" || fail "the trainer failed or did not learn"
+
+  # The same model, batches and timing loop in both programs, one after the other: step
+  # time of fully_shard and of FSDP2 at world size 1, each against its own program's
+  # unwrapped model.
+  step "step time at world size 1: unwrapped vs fully_shard (hp_bench) and vs FSDP2 (fsdp2_bench.py)"
+  shape=(--dim 1024 --layers 8 --heads 8 --seq 512 --batch 8 --steps 20 --warmup 3)
+  {
+    HP_ONE_RANK_GROUPS_COMMUNICATE=0 "${hp_run[@]}" "$build/bench/hp_bench" --no-copy-count \
+      --variants local,hp,hp:fusion,hp:keep "${shape[@]}"
+    HP_ONE_RANK_GROUPS_COMMUNICATE=0 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 1 bench/fsdp2_bench.py --device cuda --variants local,fsdp2 "${shape[@]}"
+  } | grep '^RESULT ' | sed 's/^RESULT //' >"$build/step_time.jsonl"
+  python3 - "$build/step_time.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 local = {r["impl"]: r["step_ms"] for r in rows if r["variant"] == "local"}
@@ -77,12 +136,13 @@ for r in rows:
     print(f'{r["impl"]:6} {r["variant"]:10} fwd {r["fwd_ms"]:8.2f}  bwd {r["bwd_ms"]:8.2f}  '
           f'opt {r["opt_ms"]:7.2f}  step {r["step_ms"]:8.2f} ms  vs unwrapped {r["step_ms"] / base:.2f}')
 PY
-[ "$(wc -l <"$build/step_time.jsonl")" -eq 6 ] || { echo "gpu_check: a benchmark variant is missing" >&2; exit 1; }
+  [ "$(wc -l <"$build/step_time.jsonl")" -eq 6 ] || fail "a benchmark variant is missing"
 
-step "trace of one step on the GPU (CUDA-event times)"
-$run "$build/hp-run" -n 1 --timeout 300 -- "$build/examples/train_decoder" \
-  --mesh 1x1 --data README.md --data docs --steps 5 --trace "$build/gpu_trace" \
-  --out "$build/gpu_trace_run" >/dev/null
-ls -l "$build/gpu_trace"
+  step "trace of one trainer step on the GPU (CUDA-event times)"
+  "${hp_run[@]}" "$build/examples/train_decoder" --mesh 1x1 --data README.md --data docs \
+    --steps 5 --trace "$build/gpu_trace" --out "$build/gpu_trace_run" >/dev/null
+  ls -l "$build/gpu_trace"
+fi
 
 step "done"
+echo "gpu_check: PASS"

@@ -1,7 +1,8 @@
 #pragma once
 // The world of ranks (one TCPStore, one collective timeout) and the process groups
-// created over it. A Group of size 1 has no backend: collectives on it do no
-// communication and return no-op handles.
+// created over it. A Group of size 1 has no backend (unless
+// WorldOptions::one_rank_groups_communicate): collectives on it do no communication and
+// return no-op handles.
 
 #include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
@@ -43,11 +44,15 @@ class Group {
   // Whether CPU tensors are communicated as they are, by Gloo: on a CPU World always; on a
   // GPU World only when asked for (WorldOptions::gloo_on_gpu). Without it, the
   // collectives of collectives.h move CPU tensors through device() and back. (A group of
-  // one rank has no backend at all: nothing is communicated.)
+  // one rank has no backend at all unless it communicates(): nothing is communicated.)
   bool has_cpu_backend() const { return cpu_backend_ != nullptr; }
+  // Whether collectives on this group go through a backend: groups of two or more ranks,
+  // and groups of one on a World with WorldOptions::one_rank_groups_communicate.
+  bool communicates() const { return size() > 1 || cpu_backend_ || cuda_backend_; }
 
   // The backend for tensors on `device_type`: Gloo for CPU, NCCL for CUDA (when built
-  // with CUDA). Throws for size-1 groups, which need none, and for devices it has none for.
+  // with CUDA). Throws for groups that do not communicate() and for devices it has none
+  // for.
   c10d::Backend& backend(c10::DeviceType device_type) const;
 
   // How long its collectives wait for the other members: the World's timeout.
@@ -95,6 +100,17 @@ struct WorldOptions {
   // PyTorch job: no Gloo connections are made, and CPU tensors (flags, counts, checkpoint
   // metadata) travel through the GPU. A CPU World always has Gloo.
   bool gloo_on_gpu = false;
+  // For testing the communication paths with one process (one GPU): groups of one rank
+  // get a real one-rank backend (Gloo, or NCCL on a GPU World), and collectives and
+  // fully_shard take the paths of groups of several ranks (the communication streams,
+  // held memory, coalesced and fused collectives, the all-reduce of replicated parameters)
+  // instead of skipping communication. Results are the same; it only costs time. Unset:
+  // on when HP_ONE_RANK_GROUPS_COMMUNICATE=1 is in the environment.
+  std::optional<bool> one_rank_groups_communicate;
+  // Fail start-up with c10::ValueError, naming the rank and what it sees, unless every rank
+  // computes on a GPU of its own. Without it such a job runs on the CPU with Gloo and
+  // warns. Unset: on when HP_REQUIRE_GPU=1 is in the environment.
+  std::optional<bool> require_gpu;
 };
 
 class World {
@@ -125,10 +141,12 @@ class World {
   // The group created under `name` by this rank, or null.
   GroupPtr find_group(const std::string& name) const;
 
-  // The device this rank computes on: cuda:LOCAL_RANK when every rank of the World sees
-  // a CUDA device of its LOCAL_RANK (made the current device at start-up; the World's
-  // NCCL backends are bound to it), else the CPU for all of them: NCCL cannot share one
-  // GPU between ranks, so a machine with fewer GPUs than ranks runs the job on the CPU.
+  // The device this rank computes on: a GPU of its own when every rank of the World has
+  // one (cuda:0 when the process sees one device, as under a launcher that sets
+  // CUDA_VISIBLE_DEVICES per process; else cuda:LOCAL_RANK), made the current device at
+  // start-up, the World's NCCL backends bound to it. Else the CPU for all of them, with a
+  // warning naming the rank without a GPU (or two ranks sharing one: NCCL cannot), unless
+  // WorldOptions::require_gpu makes that an error.
   c10::Device device() const { return device_; }
 
   // Ends every process group of this World before exit (PyTorch's
@@ -144,9 +162,11 @@ class World {
   int64_t next_mesh_id() { return mesh_count_++; }
 
   World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-        std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu);
-  // After the world group's rendezvous: device_ stays a GPU only if every rank has one.
-  void agree_on_device();
+        std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu,
+        bool one_rank_groups_communicate);
+  // After the world group's rendezvous: device_ stays a GPU only if every rank has one of
+  // its own; else all compute on the CPU, with a warning, or, with `require_gpu`, throw.
+  void agree_on_device(bool require_gpu);
   // Checks `ranks` (sorted here) and waits until every member arrived; returns this rank's
   // index in them.
   int join(const std::string& name, std::vector<int64_t>& ranks, const std::string& operation,
@@ -164,6 +184,7 @@ class World {
   int64_t mesh_count_ = 0;
   c10::Device device_;
   bool gloo_on_gpu_;
+  bool one_rank_groups_communicate_;
   bool shut_down_ = false;
 };
 

@@ -201,7 +201,7 @@ std::optional<std::pair<at::Tensor, at::Tensor>> flat_views_to_communicate(const
                                                                            const Group& group) {
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
-  if (group.size() == 1) {
+  if (!group.communicates()) {
     out_flat.copy_(in_flat);
     return std::nullopt;
   }
@@ -244,7 +244,7 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
 
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   require_contiguous(tensor, "all_reduce", "tensor");
-  if (group.size() == 1) return {};
+  if (!group.communicates()) return {};
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::AllreduceOptions options;
@@ -277,7 +277,7 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
   };
   check_splits(output_splits, output, "output");
   check_splits(input_splits, input, "input");
-  if (group.size() == 1) {
+  if (!group.communicates()) {
     output.copy_(input);
     return {};
   }
@@ -292,7 +292,7 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   require_contiguous(tensor, "broadcast", "tensor");
   check_peer(src, group, "broadcast");
-  if (group.size() == 1) return {};
+  if (!group.communicates()) return {};
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::BroadcastOptions options;
@@ -319,7 +319,7 @@ CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
 }
 
 CommHandle barrier(const Group& group) {
-  if (group.size() == 1) return {};
+  if (!group.communicates()) return {};
   // Gloo where the group has it; else NCCL's barrier, an all-reduce on the bound GPU.
   const c10::DeviceType on = group.has_cpu_backend() ? c10::kCPU : group.device().type();
   c10d::Backend& backend = group.backend(on);

@@ -10,11 +10,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef HP_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
-#include <torch/cuda.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "device_choice.h"
 #include "hyperparallel/launch_env.h"
 #include "rendezvous.h"
 
@@ -29,16 +29,9 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& local_
   return c10d::ProcessGroupGloo::createDeviceForHostname(local_address);
 }
 
-// cuda:LOCAL_RANK when this process sees that device; else the CPU.
-c10::Device own_device(const LaunchEnv& env) {
-#ifdef HP_WITH_NCCL
-  if (torch::cuda::is_available() &&
-      env.local_rank < static_cast<int64_t>(torch::cuda::device_count())) {
-    return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-  }
-#endif
-  (void)env;
-  return c10::Device(c10::DeviceType::CPU);
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value && std::string(value) == "1";
 }
 
 std::string device_key(int64_t rank) { return "hp/device/" + std::to_string(rank); }
@@ -103,7 +96,7 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
                                "' belongs to a World that was shut down (World::shutdown); "
                                "collectives need a live World");
   }
-  if (size() == 1) {
+  if (!communicates()) {
     C10_THROW_ERROR(Error, "group '" + name_ +
                                "' has one rank and no backend; collectives "
                                "on it must not communicate");
@@ -124,14 +117,16 @@ c10d::Backend& Group::backend(c10::DeviceType device_type) const {
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,
-             std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu)
+             std::chrono::milliseconds timeout, c10::Device device, bool gloo_on_gpu,
+             bool one_rank_groups_communicate)
     : rank_(rank),
       size_(size),
       local_address_(std::move(address)),
       store_(std::move(store)),
       timeout_(timeout),
       device_(device),
-      gloo_on_gpu_(gloo_on_gpu) {}
+      gloo_on_gpu_(gloo_on_gpu),
+      one_rank_groups_communicate_(one_rank_groups_communicate) {}
 
 World::~World() = default;
 
@@ -160,36 +155,54 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
   static std::atomic<int64_t> worlds_made{0};
   connection.store = c10::make_intrusive<c10d::PrefixStore>(
       "hp/world_" + std::to_string(worlds_made++), connection.store);
-  std::shared_ptr<World> world(new World(env.rank, env.world_size, connection.local_address,
-                                         connection.store, timeout, own_device(env),
-                                         options.gloo_on_gpu));
+  const detail::SeenDevice seen = detail::see_device(env.rank, env.local_rank);
+  const c10::Device own =
+      seen.cuda_index
+          ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(*seen.cuda_index))
+          : c10::Device(c10::DeviceType::CPU);
+  std::shared_ptr<World> world(new World(
+      env.rank, env.world_size, connection.local_address, connection.store, timeout, own,
+      options.gloo_on_gpu,
+      options.one_rank_groups_communicate.value_or(env_flag("HP_ONE_RANK_GROUPS_COMMUNICATE"))));
   // Read back once every rank has arrived in the world group's rendezvous below.
-  const std::string own = world->device_.is_cuda() ? "cuda" : "cpu";
-  connection.store->set(device_key(env.rank), std::vector<uint8_t>(own.begin(), own.end()));
+  const std::string described = detail::encode(seen);
+  connection.store->set(device_key(env.rank),
+                        std::vector<uint8_t>(described.begin(), described.end()));
   std::vector<int64_t> all(env.world_size);
   for (int64_t r = 0; r < env.world_size; ++r) all[r] = r;
   const int me = world->join(
       "world", all, "start-up join of " + std::to_string(env.world_size) + " ranks", deadline.at);
   // The world group's backends are made for the device every rank agreed on.
-  world->agree_on_device();
+  world->agree_on_device(options.require_gpu.value_or(env_flag("HP_REQUIRE_GPU")));
   world->world_group_ = world->add_group("world", std::move(all), me);
   return world;
 }
 
-void World::agree_on_device() {
-  // All ranks on a GPU of their own, or all on the CPU: a machine with fewer GPUs than
-  // ranks runs the whole job on the CPU rather than some ranks on each.
-  if (device_.is_cuda()) {
-    for (int64_t r = 0; r < size_; ++r) {
-      const std::vector<uint8_t> theirs = store_->get(device_key(r));
-      if (std::string(theirs.begin(), theirs.end()) != "cuda") {
-        device_ = c10::Device(c10::DeviceType::CPU);
-        return;
-      }
+void World::agree_on_device(bool require_gpu) {
+  std::vector<detail::SeenDevice> seen;
+  for (int64_t r = 0; r < size_; ++r) {
+    const std::vector<uint8_t> theirs = store_->get(device_key(r));
+    seen.push_back(detail::decode(std::string(theirs.begin(), theirs.end())));
+  }
+  if (const auto why = detail::why_not_all_on_gpus(seen)) {
+    if (require_gpu) {
+      C10_THROW_ERROR(ValueError,
+                      "a GPU was required (WorldOptions::require_gpu or "
+                      "HP_REQUIRE_GPU=1) but the job cannot run on GPUs: " +
+                          *why);
     }
+    // A job meant for GPUs that quietly runs on CPUs would only look slow.
+    if (device_.is_cuda()) {
+      TORCH_WARN("rank ", rank_, " sees ", device_, " but the whole job computes on the CPU ",
+                 "(Gloo): ", *why, ". Give each rank a GPU of its own (one visible device ",
+                 "per process, or LOCAL_RANK below the device count), or set HP_REQUIRE_GPU=1 ",
+                 "to make this an error.");
+    }
+    device_ = c10::Device(c10::DeviceType::CPU);
+    return;
   }
 #ifdef HP_WITH_NCCL
-  if (device_.is_cuda()) c10::cuda::set_device(device_.index());
+  c10::cuda::set_device(device_.index());
 #endif
 }
 
@@ -237,7 +250,7 @@ int World::join(const std::string& name, std::vector<int64_t>& ranks, const std:
 GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, int rank_in_group) {
   const int group_size = static_cast<int>(ranks.size());
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
-  if (group_size > 1) {
+  if (group_size > 1 || one_rank_groups_communicate_) {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("hp/" + name, store_);
     if (!device_.is_cuda() || gloo_on_gpu_) {
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout_);

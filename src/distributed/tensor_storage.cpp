@@ -1,7 +1,9 @@
 #include "tensor_storage.h"
 
 #include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
 
 namespace hp::detail {
 
@@ -9,8 +11,7 @@ void free_storage(const at::Tensor& tensor) { tensor.storage().unsafeGetStorageI
 
 at::DataPtr take_storage(const at::Tensor& tensor) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  at::DataPtr memory =
-      storage->set_data_ptr(at::DataPtr(nullptr, storage->device()));
+  at::DataPtr memory = storage->set_data_ptr(at::DataPtr(nullptr, storage->device()));
   storage->set_nbytes(0);
   return memory;
 }
@@ -20,7 +21,14 @@ void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   if (storage->data() != nullptr) return;
   c10::Allocator* allocator = storage->allocator();
   if (allocator == nullptr) allocator = c10::GetAllocator(storage->device_type());
-  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+  // A device allocator allocates on the current device: make that the storage's.
+  const c10::OptionalDeviceGuard on_device(storage->device_type() == c10::kCPU
+                                               ? std::nullopt
+                                               : std::optional<c10::Device>(storage->device()));
+  at::DataPtr memory = allocator->allocate(nbytes);
+  TORCH_CHECK(nbytes == 0 || memory.device() == storage->device(), "storage of ", storage->device(),
+              " was allocated on ", memory.device());
+  storage->set_data_ptr_noswap(std::move(memory));
   storage->set_nbytes(nbytes);
 }
 

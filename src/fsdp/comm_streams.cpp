@@ -1,14 +1,42 @@
 #include "comm_streams.h"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <utility>
+#ifdef HP_WITH_NCCL
+#include <ATen/cuda/Sleep.h>
+#endif
 
 namespace hp::detail {
+namespace {
+
+// The entries of HP_DEBUG_STREAMS.
+bool debug_streams_has(const std::string& entry) {
+  const char* value = std::getenv("HP_DEBUG_STREAMS");
+  if (!value) return false;
+  std::stringstream list(value);
+  for (std::string item; std::getline(list, item, ',');) {
+    TORCH_CHECK_VALUE(item == "serial" || item == "delay", "HP_DEBUG_STREAMS: unknown entry '",
+                      item, "'; use a comma-separated list of serial, delay");
+    if (item == entry) return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 CommStreams::CommStreams(c10::Device device) : device_(device) {
-  if (!active()) return;
+  if (!device_.is_cuda() || debug_streams_has("serial")) return;
+  if (debug_streams_has("delay")) {
+    const char* us = std::getenv("HP_DEBUG_STREAMS_DELAY_US");
+    const int64_t micros = us ? std::stoll(us) : 2000;
+    debug_delay_cycles_ = micros * 2000;  // about 2 GHz: the delay need not be exact
+  }
   const c10::impl::VirtualGuardImpl impl(device_.type());
   // High priority, as FSDP2's: a collective ready to start is not held up by compute
   // kernels queued before it.
@@ -31,7 +59,16 @@ c10::Stream CommStreams::compute_stream() const {
   return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
 }
 
+void CommStreams::delay(c10::Stream stream) const {
+  if (debug_delay_cycles_ == 0) return;
+  const c10::StreamGuard on_stream(stream);
+#ifdef HP_WITH_NCCL
+  at::cuda::sleep(debug_delay_cycles_);
+#endif
+}
+
 c10::Event CommStreams::compute_point() const {
+  delay(compute_stream());
   c10::Event event(device_.type());
   event.record(compute_stream());
   return event;
@@ -45,6 +82,7 @@ c10::OptionalStreamGuard CommStreams::enter(Lane lane, bool after_compute) {
   }
   state.held.clear();  // freed into the lane's pool: its later work is ordered after compute's
   if (after_compute) compute_point().block(state.stream);
+  delay(state.stream);
   return c10::OptionalStreamGuard(state.stream);
 }
 
@@ -71,8 +109,9 @@ void CommStreams::order_after_compute() {
 }
 
 void CommStreams::synchronize() {
-  if (!active()) return;
+  if (!device_.is_cuda()) return;
   compute_stream().synchronize();
+  if (!active()) return;
   for (auto& lane : lanes_) {
     lane->stream.synchronize();
     lane->held.clear();

@@ -16,6 +16,13 @@
 //   read enters after the compute stream (enter(lane, after_compute = true)), and those
 //   tensors stay referenced until compute has waited for the lane.
 // No recordStream anywhere: this is also correct with TORCH_NCCL_AVOID_RECORD_STREAMS=1.
+//
+// Debugging (HP_DEBUG_STREAMS, a comma-separated list, read when a root makes its lanes):
+// - serial: no lanes; everything runs on the compute stream (the reference a race is
+//   compared against);
+// - delay: each lane, when entered, and the compute stream, before each point recorded
+//   on it, sleep on the device (HP_DEBUG_STREAMS_DELAY_US, 2000 by default): an ordering
+//   that is missing then shows as a different result instead of a lucky one.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
@@ -36,14 +43,14 @@ enum class Lane { kAllGather, kReduceScatter, kAllReduce };
 
 class CommStreams {
  public:
-  // Lanes only when `device` is a GPU.
+  // Lanes only when `device` is a GPU (and HP_DEBUG_STREAMS has no `serial`).
   explicit CommStreams(c10::Device device);
   // Waits for the device before freeing the memory the lanes hold, if any.
   ~CommStreams();
   CommStreams(const CommStreams&) = delete;
   CommStreams& operator=(const CommStreams&) = delete;
 
-  bool active() const { return device_.is_cuda(); }
+  bool active() const { return lanes_[0].has_value(); }
 
   // Makes `lane`'s stream current while the returned guard lives. First the lane waits for
   // the compute points of the memory it holds, which it then frees (its allocations may
@@ -60,7 +67,7 @@ class CommStreams {
   // outside the lanes' view (the optimizer's update of the shards) is read after it.
   void order_after_compute();
   // Blocks the host until every lane and the compute stream have run what was queued
-  // (before the host reads or writes host memory a lane copies: offloaded shards).
+  // (before the host reads or writes host memory the device copies: offloaded shards).
   void synchronize();
 
  private:
@@ -76,8 +83,12 @@ class CommStreams {
   c10::Stream compute_stream() const;
   c10::Event compute_point() const;  // an event recorded on the compute stream now
 
+  // HP_DEBUG_STREAMS=delay: queues a sleep on `stream`.
+  void delay(c10::Stream stream) const;
+
   c10::Device device_;
   std::array<std::optional<LaneState>, 3> lanes_;
+  int64_t debug_delay_cycles_ = 0;
 };
 
 }  // namespace hp::detail

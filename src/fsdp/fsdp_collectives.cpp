@@ -41,12 +41,12 @@ void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
 
 // Issues the collectives `issue` makes over `group` as one coalesced group where the
 // backend has them (NCCL: one group call, so that many small collectives cost one
-// launch); Gloo has none and runs them one by one, and a one-rank group has no backend.
+// launch); Gloo has none and runs them one by one, and a one-rank group may have no backend.
 // Returns what `issue` returned, plus the group's own work. A failure while issuing ends
 // the group before it propagates.
 template <typename Issue>
 CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) {
-  if (group.size() == 1 || !group.backend(device).supportsCoalescing()) {
+  if (!group.communicates() || !group.backend(device).supportsCoalescing()) {
     return CommHandle::after(issue(), {});
   }
   c10d::Backend* backend = &group.backend(device);
@@ -124,10 +124,17 @@ void copy_out_all_gather(const std::vector<FSDPParam*>& params, AllGatherResult&
   streams.release_after_compute(Lane::kAllGather, std::move(memory));
 }
 
+DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype) {
+  if (reduce_dtype != at::kHalf || factor <= 1.0) return {1.0, factor};
+  double before = 1.0;
+  while (before * before < factor) before *= 2.0;
+  return {before, factor / before};
+}
+
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         bool comm_fusion, bool keep_grads,
+                                         double divide_before, bool comm_fusion, bool keep_grads,
                                          ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
   ReduceScatterResult result;
@@ -140,7 +147,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   result.buffer = at::empty({total}, options);
   const int64_t shards = group.size();
-  if (comm_fusion && shards > 1) {
+  if (comm_fusion && group.communicates()) {
     // One reduce-scatter: rank-major input laid out like the buffer, so its output
     // lands in the buffer as is.
     at::Tensor input = at::empty({shards, total}, options);
@@ -155,6 +162,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
       if (keep_grads) result.grads.push_back(std::move(grads[i]));
       grads[i] = at::Tensor();
     }
+    if (divide_before != 1.0) input.div_(divide_before);
     result.inputs.push_back({input.view(-1), /*owned=*/true});
     result.handle = reduce_scatter(result.buffer, input.view(-1), ReduceOp::kSum, group);
     return result;
@@ -165,6 +173,9 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     try {
       for (size_t i = 0; i < params.size(); ++i) {
         CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+        // In place: the input is this reduction's own (a copy, or the unsharded gradient
+        // that is dropped once reduced).
+        if (divide_before != 1.0) part.tensor.div_(divide_before);
         if (keep_grads) result.grads.push_back(std::move(grads[i]));
         grads[i] = at::Tensor();
         at::Tensor slot =

@@ -62,9 +62,18 @@ struct ReduceScatterResult {
   std::vector<at::Tensor> grads;
 };
 
+// How a gradient division by `factor` is split around the reduction. fp16 sums overflow
+// at scale (65504 is its largest value), so, as in FSDP2, the smallest power of two at
+// least sqrt(factor) divides before and the rest after; other dtypes divide once, after.
+struct DivideFactors {
+  double before = 1.0;
+  double after = 1.0;
+};
+DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
+
 // Reduce-scatters grads[i] (parameter i's unsharded gradient) in `reduce_dtype` over
-// `group`, summing. Per-parameter mode reduce-scatters each gradient into its slot (one
-// coalesced group, as the all-gathers);
+// `group`, summing, after dividing each input by `divide_before`. Per-parameter mode
+// reduce-scatters each gradient into its slot (one coalesced group, as the all-gathers);
 // comm_fusion lays all of them out rank-major in one input (releasing each gradient's
 // own input as soon as it is copied) and issues one reduce-scatter into the buffer.
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
@@ -72,7 +81,7 @@ struct ReduceScatterResult {
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         bool comm_fusion, bool keep_grads,
+                                         double divide_before, bool comm_fusion, bool keep_grads,
                                          ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,

@@ -204,6 +204,7 @@ ParamPolicy param_policy(const FullyShardOptions& options, const FSDPMeshInfo& m
   policy.offload = options.offload_policy.offload;
   policy.pin_memory = options.offload_policy.pin_memory;
   policy.mesh_device = mesh_info.world->device();
+  policy.shard_group_communicates = mesh_info.shard->communicates();
   return policy;
 }
 

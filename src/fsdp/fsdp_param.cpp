@@ -128,7 +128,7 @@ void FSDPParam::report_gradients_on_shard() {
 }
 
 bool FSDPParam::unsharded_aliases_shard() const {
-  return layout_.shards == 1 && param_dtype_ == orig_dtype_ &&
+  return layout_.shards == 1 && !policy_.shard_group_communicates && param_dtype_ == orig_dtype_ &&
          padded_shard_.device() == compute_device_;
 }
 

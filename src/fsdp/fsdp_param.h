@@ -31,6 +31,8 @@ struct ParamPolicy {
   // The mesh's device (World::device()): a parameter on the CPU computes there when it is
   // a GPU, as FSDP2 moves a module's states to its mesh's device.
   c10::Device mesh_device = c10::Device(c10::DeviceType::CPU);
+  // Whether unsharding all-gathers (Group::communicates(), also for one shard rank).
+  bool shard_group_communicates = false;
 };
 
 // Where dim `dim` of `global_shape` is cut into `shards` chunks of `chunk` entries; this
@@ -132,6 +134,8 @@ class FSDPParam {
   void check_variable_holds_shard() const;
 
   // --- gradients ----------------------------------------------------------------
+  // Whether the variable holds the unsharded parameter.
+  bool unsharded() const { return status_->unsharded; }
   // Moves the unsharded gradient produced by backward out of the variable, adding any
   // gradient kept from earlier backwards with gradient sync off. Undefined if none, or
   // when the parameter is sharded (then the variable's gradient is the sharded one).
@@ -158,7 +162,8 @@ class FSDPParam {
   void zero_grad();
 
  private:
-  // Whether unsharding needs no buffer of its own: one shard rank, no cast, no move.
+  // Whether unsharding needs no buffer of its own: one shard rank that does not
+  // communicate, no cast, no move.
   bool unsharded_aliases_shard() const;
   // Whether the shard and its gradient live in pinned host memory, so that copies between
   // them and the GPU need not block the host.

@@ -115,7 +115,7 @@ void FSDPParamGroup::reshard_to_post_forward_group() {
 
 CommHandle FSDPParamGroup::issue_all_gather() {
   // Every path installs only if the unshard is still wanted when it completes.
-  if (mesh_info_.shard->size() == 1 || params_.empty()) {
+  if (!mesh_info_.shard->communicates() || params_.empty()) {
     trace::record(trace::Kind::kIssue, "all_gather", label_);
     // No communication: record the pending unshard; materialise from the latest shard
     // when someone waits.
@@ -162,7 +162,7 @@ void FSDPParamGroup::install_sharded() {
   std::vector<at::DataPtr> memory;
   for (auto& p : params_) memory.push_back(p->install_sharded());
   // Without communication the storage came from the compute stream: freed now.
-  if (mesh_info_.shard->size() == 1) return;
+  if (!mesh_info_.shard->communicates()) return;
   streams_->release_after_compute(Lane::kAllGather, std::move(memory));
 }
 
@@ -191,10 +191,12 @@ void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     grad = grad.contiguous();
     pending_->replicated.emplace_back(&rp, grad);
     c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
+    const DivideFactors divide = split_divide_factor(settings.divide_factor, grad.scalar_type());
+    if (divide.before != 1.0) grad.div_(divide.before);
     pending_->replicated_all_reduces.push_back(streams_->complete_on_lane(
         Lane::kAllReduce,
         divided_when_done(all_reduce(grad, ReduceOp::kSum, *mesh_info_.data_parallel), grad,
-                          settings.divide_factor)));
+                          divide.after)));
   }
 }
 
@@ -218,7 +220,13 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   for (auto& p : params_) {
     if (!p->requires_grad()) continue;  // frozen: never reduced
     at::Tensor grad = p->take_unsharded_grad();
-    if (!grad.defined()) continue;
+    if (!grad.defined()) {
+      if (!settings.sync || !p->unsharded()) continue;
+      // Unused on this rank (a branch not taken, an expert without tokens) but maybe not on
+      // the others: every rank reduces the same parameters, or the collectives would not
+      // match (a hang on NCCL). This rank's part is zeros.
+      grad = at::zeros_like(p->variable());
+    }
     if (!settings.sync) {
       p->keep_unsharded_grad(std::move(grad));
       continue;
@@ -232,16 +240,17 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
     return;
   }
   const c10::ScalarType dtype = r.params.front()->reduce_dtype(grads.front());
+  const DivideFactors divide = split_divide_factor(settings.divide_factor, dtype);
   // The gradients come from compute; copy-in, padding and the collectives run on the lane.
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
-                                   comm_fusion_, /*keep_grads=*/streams_->active(), stats_);
+                                   divide.before, comm_fusion_,
+                                   /*keep_grads=*/streams_->active(), stats_);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones. On a GPU the division runs on the lane too.
   r.scatter.handle = streams_->complete_on_lane(
-      Lane::kReduceScatter,
-      divided_when_done(r.scatter.handle, r.scatter.buffer, settings.divide_factor));
+      Lane::kReduceScatter, divided_when_done(r.scatter.handle, r.scatter.buffer, divide.after));
 }
 
 void FSDPParamGroup::wait_reduce_scatter() {
@@ -260,7 +269,7 @@ void FSDPParamGroup::wait_reduce_scatter() {
   }
   release_reduce_inputs(r.scatter, stats_);
   if (r.params.empty()) return;
-  const bool has_replicas = mesh_info_.replicate->size() > 1;
+  const bool has_replicas = mesh_info_.replicate->communicates();
   if (!has_replicas || !r.settings.all_reduce) {
     r.partial = has_replicas;
     install_sharded_grads(r);

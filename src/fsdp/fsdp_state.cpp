@@ -166,6 +166,7 @@ void FSDPState::pre_forward(const std::vector<at::Tensor*>& inputs) {
 
 void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
   if (is_root()) schedule_->begin_iteration();
+  schedule_->forward_began(*this);
   training_state_ = TrainingState::kForward;
   schedule_->record_forward(shared_from_this());
   trace::record(trace::Kind::kBegin, "forward", label_);
@@ -180,6 +181,7 @@ void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
 void FSDPState::forward_failed() {
   if (--forward_depth_ > 0) return;
   if (training_state_ == TrainingState::kForward) training_state_ = TrainingState::kIdle;
+  schedule_->forward_ended(*this);
   // A failed recompute fails its backward, which the next forward recovers.
   if (inside_backward()) return;
   // Nothing gathered for this forward (this module, prefetched ones, for the root the
@@ -212,6 +214,7 @@ void FSDPState::post_forward(const std::vector<at::Tensor*>& outputs) {
   if (--forward_depth_ > 0) return;
   if (training_state_ != TrainingState::kForward) return recompute_post_forward(outputs);
   training_state_ = TrainingState::kIdle;
+  schedule_->forward_ended(*this);
   if (!c10::GradMode::is_enabled()) {
     // No backward follows (evaluation): keeping parameters gathered would only let an
     // optimizer step in between act on stale copies.

@@ -36,9 +36,18 @@ void RootSchedule::begin_iteration() {
   if (finished) synchronize_if_offloading();
   previous_forward_order_ = std::move(forward_order_);
   forward_order_.clear();
+}
+
+void RootSchedule::forward_began(const FSDPState& state) {
+  if (forward_first_ != nullptr) return;
+  forward_first_ = &state;
   // The shards were last written on the compute stream (the optimizer step): the lanes
   // read them after that, once per forward, and not after later compute.
   streams_->order_after_compute();
+}
+
+void RootSchedule::forward_ended(const FSDPState& state) {
+  if (forward_first_ == &state) forward_first_ = nullptr;
 }
 
 FSDPState* RootSchedule::next_in_forward(const FSDPState& state) const {

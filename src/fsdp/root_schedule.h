@@ -49,6 +49,13 @@ class RootSchedule : public std::enable_shared_from_this<RootSchedule> {
   // reductions a backward with set_is_last_backward(false) left pending, and starts a
   // new forward order.
   void begin_iteration();
+  // At every state's pre-forward and at its end (or failure). The first state of a
+  // forward (the root, or a module of the tree run on its own: one block probed, a
+  // sub-module generating) is that forward's first (FSDP2's iteration forward root): the
+  // lanes are ordered after the compute queued so far, the optimizer's update of the
+  // shards, before the first all-gather reads them.
+  void forward_began(const FSDPState& state);
+  void forward_ended(const FSDPState& state);
   void record_forward(const std::shared_ptr<FSDPState>& state) { forward_order_.push_back(state); }
   // Implicit prefetch: the module that ran after `state` in the previous forward; and in
   // backward, the one that ran before it in this forward (the last one for the root).
@@ -86,6 +93,7 @@ class RootSchedule : public std::enable_shared_from_this<RootSchedule> {
   bool implicit_prefetch_set_ = false;
   std::vector<std::weak_ptr<FSDPState>> forward_order_;           // this iteration
   std::vector<std::weak_ptr<FSDPState>> previous_forward_order_;  // the one before
+  const FSDPState* forward_first_ = nullptr;  // the state whose forward runs outermost
   bool end_of_backward_queued_ = false;
   std::weak_ptr<FSDPState> reduction_in_flight_;
   std::vector<std::weak_ptr<FSDPState>> reductions_;  // issued in this backward

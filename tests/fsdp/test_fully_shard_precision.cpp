@@ -552,5 +552,23 @@ HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
   }
 }
 
+// --- fp16 gradient reduction --------------------------------------------------------
+
+// Two ranks whose fp16 gradients are 40000 each: their sum (80000) is past fp16's largest
+// value (65504). Averaged, the gradient is 40000, which fp16 holds: half is divided
+// before the reduction and the rest after, so the sum never leaves fp16's range.
+HP_DIST_TEST(FullyShardPrecision, Fp16GradientsAveragedOverRanksDoNotOverflowTheSum, 2) {
+  Sharded<torch::nn::Linear> layer(torch::nn::LinearOptions(4, 4).bias(false));
+  torch::nn::init::zeros_(layer->weight);
+  FullyShardOptions options;
+  options.mp_policy.param_dtype = at::kHalf;
+  options.mp_policy.reduce_dtype = at::kHalf;
+  FSDPModule module = fully_shard(layer, options);
+  layer(torch::full({1, 4}, 40000.0)).sum().backward();
+  const at::Tensor grad = module.full_grad("weight");
+  EXPECT_TRUE(torch::equal(grad, torch::full({4, 4}, 40000.0, grad.options())))
+      << "the averaged gradient: " << grad;
+}
+
 }  // namespace
 }  // namespace hp

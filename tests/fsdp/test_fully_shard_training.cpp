@@ -198,5 +198,55 @@ HP_DIST_TEST(FullyShardTraining, EvalForwardBeforeStep, 2) {
       });
 }
 
+// --- parameters unused on some ranks ------------------------------------------------
+
+// A branch one rank takes and the other does not (an expert without tokens): the rank
+// without it reduces zeros, so both ranks issue the same collectives, and the averaged
+// gradient is the reference's (the branch's gradient from the rank that took it).
+struct TwoBranchesImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  bool take_b = true;
+  TwoBranchesImpl() {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    b = register_module("b", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return take_b ? b(a(x)) : a(x); }
+};
+TORCH_MODULE(TwoBranches);
+
+void expect_unused_branch_reduces_to_the_reference(bool comm_fusion) {
+  auto world = testing::world();
+  const int64_t rank = world->rank();
+  torch::manual_seed(3);
+  TwoBranches reference;
+  torch::manual_seed(3);
+  Sharded<TwoBranches> model;
+  FullyShardOptions options;
+  options.comm_fusion = comm_fusion;
+  FSDPModule module = fully_shard(model, options);
+  const at::Tensor x = torch::randn({2, 6, 4});
+  // Rank 1 leaves b out; the reference averages the two ranks' losses.
+  at::Tensor total = at::zeros({});
+  for (int64_t r = 0; r < 2; ++r) {
+    reference->take_b = r == 0;
+    total = total + reference->forward(x[r]).square().mean() / 2;
+  }
+  total.backward();
+  model->take_b = rank == 0;
+  model(x[rank]).square().mean().backward();
+  for (const auto& item : reference->named_parameters()) {
+    EXPECT_TRUE(torch::allclose(module.full_grad(item.key()), item.value().grad(), 0, 1e-6))
+        << item.key();
+  }
+}
+
+HP_DIST_TEST(FullyShardTraining, ABranchUnusedOnOneRankReducesZerosThere, 2) {
+  expect_unused_branch_reduces_to_the_reference(/*comm_fusion=*/false);
+}
+
+HP_DIST_TEST(FullyShardTraining, ABranchUnusedOnOneRankReducesZerosThereWithCommFusion, 2) {
+  expect_unused_branch_reduces_to_the_reference(/*comm_fusion=*/true);
+}
+
 }  // namespace
 }  // namespace hp
