@@ -94,7 +94,7 @@ done
 step "stream check: every mode bitwise equal"
 modes=("" "HP_DEBUG_STREAMS=delay" "CUDA_LAUNCH_BLOCKING=1" "HP_DEBUG_STREAMS=serial"
        "HP_ONE_RANK_GROUPS_COMMUNICATE=0")
-for variant in "--probe" "--fusion --replicate --mp bf16" "--keep --recompute --mp fp16"; do
+for variant in "--probe" "--fusion --replicate" "--keep --recompute --mp bf16" "--fusion --mp fp16"; do
   echo "-- stream_check $variant"
   # shellcheck disable=SC2086  # the variant is a list of options
   tests/fsdp/same_output.sh "${modes[@]}" -- "${hp_run[@]}" "$build/tests/stream_check" \
@@ -107,15 +107,15 @@ done
 step "host-blocking and memory probes"
 probe="$build/probe.txt"
 HP_DEBUG_STREAMS=delay HP_DEBUG_STREAMS_DELAY_US=20000 "${hp_run[@]}" "$build/tests/stream_check" \
-  --width 1024 --steps 6 --report 2>"$probe" >/dev/null || failed "stream_check --report (delay)"
-cat "$probe"
+  --width 1024 --steps 6 --report >"$probe" 2>&1 || failed "stream_check --report (delay)"
+grep -v '^\[rank 0\] step' "$probe"
 # (hp-run prefixes each line with "[rank 0] ".)
 longest=$(sed -n 's/.*longest host time of a forward after step 2: \([0-9.]*\) ms$/\1/p' "$probe")
 [ -n "$longest" ] && python3 -c "import sys; sys.exit(not $longest < 20)" ||
   failed "a forward blocked the host (${longest:-no} ms with 20 ms device sleeps)"
-"${hp_run[@]}" "$build/tests/stream_check" --width 1024 --steps 100 --report 2>"$probe" >/dev/null ||
+"${hp_run[@]}" "$build/tests/stream_check" --width 1024 --steps 100 --report >"$probe" 2>&1 ||
   failed "stream_check --report"
-cat "$probe"
+grep -v '^\[rank 0\] step' "$probe"
 if [ "$(grep -c 'memory after step' "$probe")" -ne 2 ]; then
   failed "no memory report"
 elif [ "$(grep 'memory after step' "$probe" | sed 's/.*: //' | sort -u | wc -l)" -ne 1 ]; then
@@ -128,13 +128,16 @@ if [ $quick = 0 ]; then
     --log-every 100 --out "$build/gpu_demo" || failed "the trainer failed or did not learn"
 
   # The same model, batches and timing loop in both programs, one after the other: step
-  # time of fully_shard and of FSDP2 at world size 1, each against its own program's
-  # unwrapped model.
+  # time of fully_shard (without and with its one-rank collectives) and of FSDP2 at
+  # world size 1, each against its own program's unwrapped model.
   step "step time at world size 1: unwrapped vs fully_shard (hp_bench) and vs FSDP2 (fsdp2_bench.py)"
   shape=(--dim 1024 --layers 8 --heads 8 --seq 512 --batch 8 --steps 20 --warmup 3)
   {
     HP_ONE_RANK_GROUPS_COMMUNICATE=0 "${hp_run[@]}" "$build/bench/hp_bench" --no-copy-count \
       --variants local,hp,hp:fusion,hp:keep "${shape[@]}"
+    # As FSDP2 does at world size 1: the collectives run, on a one-rank NCCL group.
+    HP_ONE_RANK_GROUPS_COMMUNICATE=1 "${hp_run[@]}" "$build/bench/hp_bench" --no-copy-count \
+      --variants hp,hp:fusion --label one-rank-nccl "${shape[@]}"
     HP_ONE_RANK_GROUPS_COMMUNICATE=0 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 1 bench/fsdp2_bench.py --device cuda --variants local,fsdp2 "${shape[@]}"
   } | sed -n 's/^\(\[rank 0\] \)\{0,1\}RESULT //p' >"$build/step_time.jsonl"
@@ -144,14 +147,15 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 local = {r["impl"]: r["step_ms"] for r in rows if r["variant"] == "local"}
 for r in rows:
     base = local["cpp" if r["impl"] in ("hp", "cpp") else "py"]
-    print(f'{r["impl"]:6} {r["variant"]:10} fwd {r["fwd_ms"]:8.2f}  bwd {r["bwd_ms"]:8.2f}  '
+    print(f'{r["impl"]:6} {r["variant"]:10} {r["label"]:13} fwd {r["fwd_ms"]:8.2f}  bwd {r["bwd_ms"]:8.2f}  '
           f'opt {r["opt_ms"]:7.2f}  step {r["step_ms"]:8.2f} ms  vs unwrapped {r["step_ms"] / base:.2f}')
 PY
-  [ "$(wc -l <"$build/step_time.jsonl")" -eq 6 ] || failed "a benchmark variant is missing"
+  [ "$(wc -l <"$build/step_time.jsonl")" -eq 8 ] || failed "a benchmark variant is missing"
 
+  # (100 steps: the trainer exits 1 unless its model learned.)
   step "trace of one trainer step on the GPU (CUDA-event times)"
   "${hp_run[@]}" "$build/examples/train_decoder" --mesh 1x1 --data README.md --data docs \
-    --steps 5 --trace "$build/gpu_trace" --out "$build/gpu_trace_run" >/dev/null &&
+    --steps 100 --trace "$build/gpu_trace" --out "$build/gpu_trace_run" | tail -1 &&
     ls -l "$build/gpu_trace" || failed "the traced trainer run"
 fi
 

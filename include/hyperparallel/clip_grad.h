@@ -30,4 +30,12 @@ namespace hp {
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                        double norm_type = 2.0, bool error_if_nonfinite = false);
 
+// The same without reading the norm on the host, so without waiting for the device (for a
+// GPU training loop that does not look at the norm every step): returns the norm as a
+// 0-dim double tensor on the gradients' device and multiplies every gradient by
+// min(1, max_norm / (norm + 1e-6)) computed there (a NaN norm makes them NaN, an infinite
+// one zeroes them). The gradients end as clip_grad_norm_ leaves them.
+at::Tensor clip_grad_norm_on_device_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                     double norm_type = 2.0);
+
 }  // namespace hp

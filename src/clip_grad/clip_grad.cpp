@@ -59,10 +59,10 @@ at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type,
   return result;
 }
 
-}  // namespace
-
-double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
-                       bool error_if_nonfinite) {
+// The p-th power of the global norm (the norm itself for the max norm), on the gradients'
+// device; `parts` their gradients.
+at::Tensor global_norm_power(const std::vector<GradPart>& parts, double max_norm,
+                             double norm_type) {
   if (!(max_norm > 0)) {
     C10_THROW_ERROR(ValueError,
                     "clip_grad_norm_: max_norm must be positive, got " + std::to_string(max_norm));
@@ -73,8 +73,6 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
         "clip_grad_norm_: norm_type must be positive (or infinity for the max norm), got " +
             std::to_string(norm_type));
   }
-  c10::NoGradGuard no_grad;
-  const std::vector<GradPart> parts = grad_parts(parameters);
   const bool max_norm_type = std::isinf(norm_type);
   at::TensorOptions options = at::TensorOptions().dtype(at::kDouble);
   for (const GradPart& part : parts) {
@@ -111,8 +109,18 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     }
     total = max_norm_type ? at::maximum(total, partial) : total + partial;
   }
-  const double norm =
-      max_norm_type ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  return total;
+}
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
+                       bool error_if_nonfinite) {
+  c10::NoGradGuard no_grad;
+  const std::vector<GradPart> parts = grad_parts(parameters);
+  const at::Tensor total = global_norm_power(parts, max_norm, norm_type);
+  const double norm = std::isinf(norm_type) ? total.item<double>()
+                                            : std::pow(total.item<double>(), 1.0 / norm_type);
 
   if (error_if_nonfinite && !std::isfinite(norm)) {
     C10_THROW_ERROR(Error, "clip_grad_norm_: the total norm of the gradients is " +
@@ -126,6 +134,20 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     for (const GradPart& part : parts) {
       if (part.grad.defined()) part.grad.mul_(scale);
     }
+  }
+  return norm;
+}
+
+at::Tensor clip_grad_norm_on_device_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                     double norm_type) {
+  c10::NoGradGuard no_grad;
+  const std::vector<GradPart> parts = grad_parts(parameters);
+  const at::Tensor total = global_norm_power(parts, max_norm, norm_type);
+  const at::Tensor norm = std::isinf(norm_type) ? total : total.pow(1.0 / norm_type);
+  // min(1, scale) keeps NaN (every gradient NaN) and makes an infinite norm zero them.
+  const at::Tensor scale = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  for (const GradPart& part : parts) {
+    if (part.grad.defined()) part.grad.mul_(scale.to(part.grad.device()));
   }
   return norm;
 }

@@ -267,6 +267,9 @@ GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, i
           c10::make_intrusive<c10d::PrefixStore>("nccl", prefixed), rank_in_group, group_size,
           nccl_options);
       cuda->setBoundDeviceId(device_);  // the communicator's device, known up front
+      // The communicator now, while every member is creating the group: not in the first
+      // step's backward, where its set-up would stall the first reduction.
+      cuda->eagerConnectSingleDevice(device_);
     }
 #endif
   }

@@ -77,10 +77,7 @@ c10::Event CommStreams::compute_point() const {
 c10::OptionalStreamGuard CommStreams::enter(Lane lane, bool after_compute) {
   if (!active()) return c10::OptionalStreamGuard();
   LaneState& state = lane_state(lane);
-  for (Held& held : state.held) {
-    if (!held.compute_point.query()) held.compute_point.block(state.stream);
-  }
-  state.held.clear();  // freed into the lane's pool: its later work is ordered after compute's
+  free_held(state);
   if (after_compute) compute_point().block(state.stream);
   delay(state.stream);
   return c10::OptionalStreamGuard(state.stream);
@@ -95,6 +92,18 @@ CommHandle CommStreams::complete_on_lane(Lane lane, CommHandle handle) {
   return CommHandle::deferred([done, device] {
     done->block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   });
+}
+
+void CommStreams::free_held(LaneState& state) {
+  for (Held& held : state.held) {
+    if (!held.compute_point.query()) held.compute_point.block(state.stream);
+  }
+  state.held.clear();  // freed into the lane's pool: its later work is ordered after compute's
+}
+
+void CommStreams::free_held_memory() {
+  if (!active()) return;
+  for (auto& lane : lanes_) free_held(*lane);
 }
 
 void CommStreams::release_after_compute(Lane lane, std::vector<at::DataPtr> memory) {

@@ -63,6 +63,10 @@ class CommStreams {
   // The compute stream is done with `memory` (allocated on `lane`) once the work queued on
   // it so far has run: held until the lane's next enter(). On the CPU it is freed now.
   void release_after_compute(Lane lane, std::vector<at::DataPtr> memory);
+  // Frees the memory every lane holds, the lane first waiting for the compute points
+  // (without it, the last modules' gathered parameters would stay allocated through the
+  // optimizer step, until the next forward's all-gathers).
+  void free_held_memory();
   // Every lane waits for the work queued on the compute stream so far: what compute wrote
   // outside the lanes' view (the optimizer's update of the shards) is read after it.
   void order_after_compute();
@@ -80,6 +84,7 @@ class CommStreams {
     std::vector<Held> held;
   };
   LaneState& lane_state(Lane lane) { return lanes_[static_cast<size_t>(lane)].value(); }
+  void free_held(LaneState& state);
   c10::Stream compute_stream() const;
   c10::Event compute_point() const;  // an event recorded on the compute stream now
 

@@ -105,6 +105,7 @@ void RootSchedule::end_backward() {
   }
   reductions_.clear();
   for_each_state([](FSDPState& s) { s.end_backward(); });
+  streams_->free_held_memory();
   synchronize_if_offloading();
 }
 

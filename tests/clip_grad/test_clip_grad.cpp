@@ -24,7 +24,16 @@ struct Case {
   std::optional<DeviceMesh> mesh;
   double norm_type = 2.0;
   bool replicate_head_bias = false;
+  bool on_device = false;  // clip_grad_norm_on_device_
 };
+
+double clip(const Case& c, const std::vector<at::Tensor>& params, double max_norm) {
+  if (!c.on_device) return clip_grad_norm_(params, max_norm, c.norm_type);
+  const at::Tensor norm = clip_grad_norm_on_device_(params, max_norm, c.norm_type);
+  EXPECT_EQ(norm.dim(), 0);
+  EXPECT_EQ(norm.scalar_type(), at::kDouble);
+  return norm.item<double>();
+}
 
 double max_abs(const std::map<std::string, at::Tensor>& tensors) {
   double result = 0;
@@ -53,7 +62,7 @@ void expect_clipping_matches_reference(const Case& c) {
   const double max_norm = 0.5 * norm_of(testing::reference_grads(*reference), c.norm_type);
   const double ref_norm =
       torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm, c.norm_type);
-  const double norm = clip_grad_norm_(model->parameters(), max_norm, c.norm_type);
+  const double norm = clip(c, model->parameters(), max_norm);
   EXPECT_NEAR(norm, ref_norm, kTol) << "norm before clipping";
 
   const auto grads = testing::full_grads(parts);
@@ -61,7 +70,7 @@ void expect_clipping_matches_reference(const Case& c) {
   EXPECT_LE(norm_of(grads, c.norm_type), max_norm) << "norm after clipping";
 
   // Already within the limit: the norm is reported, nothing changes.
-  const double again = clip_grad_norm_(model->parameters(), 2 * max_norm, c.norm_type);
+  const double again = clip(c, model->parameters(), 2 * max_norm);
   EXPECT_NEAR(again, max_norm, kTol);
   testing::expect_all_close(testing::full_grads(parts), grads, 0.0, "grad within the limit");
 }
@@ -71,6 +80,12 @@ HP_DIST_TEST(ClipGrad, L2_07_GlobalNormFsdp1D, 2, 3) { expect_clipping_matches_r
 HP_DIST_TEST(ClipGrad, L2_07_GlobalNormHsdp2x2WithReplicatedParam, 4) {
   expect_clipping_matches_reference(
       {DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}}), 2.0, true});
+}
+
+// The same without reading the norm on the host.
+HP_DIST_TEST(ClipGrad, OnDeviceFormClipsTheSame, 2) {
+  expect_clipping_matches_reference({.on_device = true});
+  expect_clipping_matches_reference({.norm_type = kInf, .on_device = true});
 }
 
 HP_DIST_TEST(ClipGrad, L2_07_InfinityNorm, 2) {

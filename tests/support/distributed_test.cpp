@@ -59,6 +59,9 @@ void run_as_rank(void (*body)()) {
     if (joined_world() && !::testing::Test::HasFailure()) {
       barrier(*joined_world()->world_group()).wait();
     }
+    // NCCL's communicators are destroyed now, while CUDA is up: at exit, after CUDA's
+    // teardown began, ProcessGroupNCCL's destructor would abort the process.
+    if (joined_world()) joined_world()->shutdown();
   } catch (const std::exception& error) {
     ADD_FAILURE() << "uncaught exception: " << error.what();
   }
