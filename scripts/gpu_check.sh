@@ -77,7 +77,7 @@ python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' ||
 export HP_ONE_RANK_GROUPS_COMMUNICATE=1
 hp_run=("$build/hp-run" -n 1 --timeout 300 --)
 
-step "fully_shard on one GPU against the CPU reference (tests/fsdp/test_cuda.cpp)"
+step "fully_shard on one GPU against the plain model there (tests/fsdp/test_cuda.cpp)"
 for communicate in 0 1; do
   out=$(mktemp)
   HP_ONE_RANK_GROUPS_COMMUNICATE=$communicate "$build/tests/test_cuda" | tee "$out" ||
