@@ -267,5 +267,24 @@ TEST(Startup, AForeignListenerOnMasterPortIsNamed) {
   EXPECT_LT(host.seconds, 1.0) << "a port in use is known at once";
 }
 
+// HP_REQUIRE_GPU=1 where a rank has no GPU (these tests see none: CUDA_VISIBLE_DEVICES is
+// empty for them): start-up fails on every rank, naming the rank and what it saw, instead
+// of the job running on the CPU.
+TEST(Startup, ARequiredGpuThatIsMissingIsNamedOnEveryRank) {
+  const int port = find_free_port();
+  const std::string require = "HP_REQUIRE_GPU=1 CUDA_VISIBLE_DEVICES= ";
+  const Timed rank0 =
+      timed(both("env " + require + rank_command(1, 2, port, 5) + " > /dev/null 2>&1",
+                 "env " + require + rank_command(0, 2, port, 5)));
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output,
+                       "world_join: error: a GPU was required (WorldOptions::require_gpu or "
+                       "HP_REQUIRE_GPU=1) but the job cannot run on GPUs: rank 0 has no GPU of "
+                       "its own (LOCAL_RANK 0, 0 CUDA device(s) visible, CUDA_VISIBLE_DEVICES ''"))
+      << rank0.run.output;
+  expect_no_backtrace(rank0.run.output);
+  EXPECT_LT(rank0.seconds, 4.9) << "at start-up, not after the timeout (5 s)";
+}
+
 }  // namespace
 }  // namespace hp::testing
