@@ -20,6 +20,9 @@
 #ifndef WORLD_JOIN_PATH
 #error "WORLD_JOIN_PATH must name the world_join executable"
 #endif
+#ifndef PARTITION_PATH
+#error "PARTITION_PATH must name tests/distributed/partition.sh"
+#endif
 
 namespace hp::testing {
 namespace {
@@ -265,6 +268,59 @@ TEST(Startup, AForeignListenerOnMasterPortIsNamed) {
       << host.run.output;
   EXPECT_GE(host.seconds, 0) << host.run.output;
   EXPECT_LT(host.seconds, 1.0) << "a port in use is known at once";
+}
+
+// Ranks started by hand, no launcher: rank 1 is killed (SIGKILL) once it has joined
+// (it stops itself there, and the shell kills it when it sees it stopped), while rank 0
+// waits in the all-reduce. Rank 0 fails within the timeout + 3 s, naming world rank 1.
+TEST(Startup, AKilledRankWithoutALauncherIsNamedWithinTheBound) {
+  const int port = find_free_port();
+  const Timed rank0 = timed(
+      "{ env WORLD_JOIN_STOP=1 " + rank_command(1, 2, port, 2) +
+      " > /dev/null 2>&1 & victim=$!; { until ps -o stat= -p $victim | grep -q T; do sleep 0.05; "
+      "done; kill -KILL $victim; } & " +
+      rank_command(0, 2, port, 2) + "; status=$?; wait; exit $status; }");
+  EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
+  EXPECT_TRUE(
+      contains(rank0.run.output, "world_join: error: all_reduce #1 over group 'world' failed"))
+      << rank0.run.output;
+  EXPECT_TRUE(contains(rank0.run.output, "world rank 1")) << rank0.run.output;
+  expect_no_backtrace(rank0.run.output);
+  std::smatch after_join;
+  ASSERT_TRUE(
+      std::regex_search(rank0.run.output, after_join, std::regex(", ([0-9.]+) s after joining")))
+      << rank0.run.output;
+  EXPECT_LT(std::stod(after_join[1]), 2.0 + 3.0 + 0.5) << "the timeout (2 s) and 3 s";
+}
+
+// Two machines (network namespaces) that lose each other after the join, silently (no
+// connection refused): each side's error comes within its bound and says what it saw.
+// Rank 0, the store's host, names rank 1 (0.5 s late + the timeout, 2 s + the 2 s report
+// window); rank 1 says the store did not answer (1 s late + 2 s + the bounded store
+// calls, 3 s). Skipped, with the reason, where namespaces cannot be made.
+TEST(Startup, APartitionBetweenTwoMachinesEndsBothSidesWithinTheBound) {
+  const ProgramRun run = run_program(std::string(PARTITION_PATH) + " " + WORLD_JOIN_PATH);
+  if (run.exit_code == 77) GTEST_SKIP() << run.output;
+  ASSERT_TRUE(contains(run.output, "exit codes 1 1")) << run.output;
+  EXPECT_TRUE(contains(run.output,
+                       "[rank 0] world_join: error: all_reduce #1 over group 'world' "
+                       "failed"))
+      << run.output;
+  EXPECT_TRUE(contains(run.output, "world rank 1 did not report the same failure")) << run.output;
+  EXPECT_TRUE(contains(run.output,
+                       "; the store did not answer within 3 s: the process that hosts "
+                       "the store (hp-run, torchrun's agent, or else rank 0) is "
+                       "stopped, or this machine is cut off from it"))
+      << run.output;
+  expect_no_backtrace(run.output);
+  for (const auto& [rank, bound] : {std::pair{0, 0.5 + 2.0 + 3.0}, std::pair{1, 1.0 + 2.0 + 3.0}}) {
+    std::smatch after_join;
+    const std::regex line("\\[rank " + std::to_string(rank) +
+                          "\\] world_join: failed after [0-9.]+ "
+                          "s, ([0-9.]+) s after joining");
+    ASSERT_TRUE(std::regex_search(run.output, after_join, line)) << run.output;
+    EXPECT_LT(std::stod(after_join[1]), bound + 0.5) << "rank " << rank << "\n" << run.output;
+  }
 }
 
 // HP_REQUIRE_GPU=1 where a rank has no GPU (these tests see none: CUDA_VISIBLE_DEVICES is

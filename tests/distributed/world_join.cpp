@@ -23,6 +23,8 @@ int main() {
   try {
     const auto world = hp::World::from_env();
     joined = std::chrono::steady_clock::now();
+    // WORLD_JOIN_MARK=FILE: this rank creates FILE once joined (for a test to act then).
+    if (const char* mark = std::getenv("WORLD_JOIN_MARK")) std::fclose(std::fopen(mark, "w"));
     // WORLD_JOIN_STOP=1: this rank stops itself (SIGSTOP) once joined, as a frozen machine.
     if (const char* stop = std::getenv("WORLD_JOIN_STOP"); stop && std::string(stop) == "1") {
       raise(SIGSTOP);
