@@ -3,9 +3,14 @@
 
     sharded_checkpoint.py DIR                      list its tensors
     sharded_checkpoint.py DIR --out FILE.pt        write them, whole, with torch.save
-    sharded_checkpoint.py DIR --prefix model/ ...  only the model (names without prefix)
+    sharded_checkpoint.py DIR --model ...          only the model's parameters and buffers
+    sharded_checkpoint.py DIR --prefix optim/ ...  only names starting with it (dropped)
 
-As a module: load(DIR, prefix="") returns {name: whole tensor}. The pieces are read with
+As a module: load(DIR, prefix="") and load_model(DIR) return {name: whole tensor}.
+
+PyTorch's Distributed Checkpoint loads a checkpoint's model part directly
+(dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(DIR)),
+docs/checkpoints.md). This converter is for what DCP does not do: the pieces are read with
 the `safetensors` package, placed by index.json and checked against their CRC-32; the
 index itself is checked against the CRC-32 in COMPLETE, and its pieces must cover every
 tensor exactly once. A damaged checkpoint raises ValueError naming the file.
@@ -21,6 +26,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 COMPLETE_RECORD = "index.json crc32 "
+# Names of the optimizer's state and the program's extras; the rest are the model's
+# (under "model/" in checkpoints of earlier versions).
+NOT_MODEL_PREFIXES = ("optim/", "extra/")
+EARLIER_MODEL_PREFIX = "model/"
 
 
 def read_index(directory):
@@ -53,6 +62,14 @@ def check_coverage(name, entry, index_path):
         covered[tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["shape"]))] += 1
     if not bool((covered == 1).all()):
         raise ValueError(f"{index_path} is damaged: the pieces of '{name}' do not cover it once")
+
+
+def load_model(directory):
+    """The model's parameters and buffers, by their fully qualified names."""
+    tensors = load(directory)
+    if any(name.startswith(EARLIER_MODEL_PREFIX) for name in tensors):
+        return {n[len(EARLIER_MODEL_PREFIX):]: t for n, t in tensors.items() if n.startswith(EARLIER_MODEL_PREFIX)}
+    return {n: t for n, t in tensors.items() if not n.startswith(NOT_MODEL_PREFIXES)}
 
 
 def load(directory, prefix=""):
@@ -91,10 +108,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir")
     parser.add_argument("--prefix", default="", help="only names starting with it (dropped)")
+    parser.add_argument("--model", action="store_true", help="only the model's tensors")
     parser.add_argument("--out", help="torch.save the whole tensors into this file")
     args = parser.parse_args()
     try:
-        tensors = load(args.dir, args.prefix)
+        tensors = load_model(args.dir) if args.model else load(args.dir, args.prefix)
     except (OSError, ValueError) as error:
         sys.exit(f"sharded_checkpoint.py: {error}")
     if args.out:

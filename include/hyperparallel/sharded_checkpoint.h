@@ -10,11 +10,20 @@
 //   COMPLETE                written last, with the CRC-32 of index.json: a directory
 //                           without it is never loaded, nor an index that does not match
 //
-// Tensors are named "model/<parameter or buffer name>", "optim/<parameter name>.<field>"
-// (the names of get_full_optimizer_state_dict) and "extra/<name>". HSDP replicas write one
-// copy of each shard (replicate rank 0); parameters kept whole (replicated, ignored) and
-// buffers are written by rank 0. Python reads a checkpoint with the `safetensors` package:
-// tools/sharded_checkpoint.py assembles whole tensors (or a torch.save file) from it.
+// Parameters and buffers are named by their fully qualified names ("layers.0.attn.wq.weight",
+// as PyTorch names them), optimizer state "optim/<parameter name>.<field>" (the names of
+// get_full_optimizer_state_dict) and extras "extra/<name>". HSDP replicas write one copy of
+// each shard (replicate rank 0); parameters kept whole (replicated, ignored) and buffers
+// are written by rank 0.
+//
+// PyTorch reads it with its Distributed Checkpoint: each file's header carries the
+// DCP_SHARDING_INFO that torch.distributed.checkpoint.HuggingFaceStorageReader reads, so
+//
+//   dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))
+//
+// loads the model part into a plain PyTorch model or an FSDP2-sharded one of any size
+// (docs/checkpoints.md). tools/sharded_checkpoint.py also checks the CRCs, which DCP does
+// not, and converts a checkpoint to whole tensors or a torch.save file.
 //
 // Saving is atomic: the files go to "<dir>.partial", are flushed to the disk, and the
 // directory is renamed to `dir` once every rank's file is complete; a crash at any point
@@ -47,7 +56,10 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
                              const StateDict& extra = StateDict());
 
 // Loads a checkpoint save_sharded_checkpoint wrote (on any mesh or world size) into
-// `model` and, when not null, `optimizer`, and returns its extra tensors. Names and
+// `model` and, when not null, `optimizer`, and returns its extra tensors. It also loads the
+// model from a directory PyTorch's HuggingFaceStorageWriter wrote (sharded, e.g. from an
+// FSDP2 model, or consolidated whole tensors), by the model's fully qualified names; those
+// hold no optimizer state nor extras, and no CRCs to check. Names and
 // shapes are checked before any tensor is read (c10::ValueError naming the
 // checkpoint and the entry; strict: every model and optimizer entry must be used). Every
 // piece read is checked against its CRC-32: a damaged one throws c10::Error

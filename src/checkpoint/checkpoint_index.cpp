@@ -9,6 +9,8 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -45,7 +47,7 @@ bool is_copy_of_indexed(const std::string& name, const IndexedTensor& tensor,
                         const CheckpointPiece& piece) {
   for (const auto& indexed : tensor.pieces) {
     if (indexed.offsets != piece.offsets || indexed.shape != piece.shape) continue;
-    if (indexed.crc32 != piece.crc32) {
+    if (!indexed.crc32.empty() && !piece.crc32.empty() && indexed.crc32 != piece.crc32) {
       C10_THROW_ERROR(Error, "tensor '" + name + "': " + indexed.file + " and " + piece.file +
                                  " hold the same part with different values (replicas that "
                                  "diverged)");
@@ -79,6 +81,43 @@ void check_covers(const std::string& name, const IndexedTensor& tensor) {
   }
 }
 
+// What a file says of one of its tensors besides dtype and shape.
+struct FileRecord {
+  std::vector<int64_t> offsets;
+  std::optional<std::vector<int64_t>> whole_shape;  // unset: not said
+  std::string crc32;                                // empty: not said
+};
+
+// This library's piece records; else PyTorch's DCP_SHARDING_INFO offsets; else (a file of
+// whole tensors, as DCP consolidates them) zeros.
+std::map<std::string, FileRecord> records_of(const SafetensorsReader& reader) {
+  const auto& metadata = reader.metadata();
+  const auto ours = metadata.find(kPiecesMetadataKey);
+  const auto dcp = metadata.find(kDcpShardingInfoKey);
+  const json said_by_file = ours != metadata.end()  ? json::parse(ours->second)
+                            : dcp != metadata.end() ? json::parse(dcp->second)
+                                                    : json::object();
+  std::map<std::string, FileRecord> records;
+  for (const auto& [name, entry] : reader.entries()) {
+    FileRecord& record = records[name];
+    if (ours != metadata.end()) {
+      const json& said = said_by_file.at(name);
+      record.offsets = said.at("offsets").get<std::vector<int64_t>>();
+      record.whole_shape = said.at("whole_shape").get<std::vector<int64_t>>();
+      record.crc32 = said.at("crc32").get<std::string>();
+    } else if (dcp != metadata.end()) {
+      record.offsets = said_by_file.at(name).at("saved_offsets").get<std::vector<int64_t>>();
+    } else {
+      record.offsets.assign(entry.shape.size(), 0);
+    }
+    if (record.offsets.size() != entry.shape.size()) {
+      C10_THROW_ERROR(Error, reader.path() + ": the offsets of tensor '" + name +
+                                 "' have another number of dimensions than its shape");
+    }
+  }
+  return records;
+}
+
 }  // namespace
 
 std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces) {
@@ -90,25 +129,32 @@ std::string pieces_metadata(const std::map<std::string, PieceRecord>& pieces) {
   return records.dump();
 }
 
+std::map<std::string, std::string> dcp_metadata(const std::map<std::string, PieceRecord>& pieces) {
+  json offsets = json::object();
+  for (const auto& [name, record] : pieces) offsets[name] = {{"saved_offsets", record.offsets}};
+  return {{kDcpShardingInfoKey, offsets.dump()}, {"DCP_VERSION", "1.0"}, {"format", "pt"}};
+}
+
 CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::string>& files) {
   CheckpointIndex index;
+  std::set<std::string> shape_from_pieces;  // tensors whose files do not say their whole shape
   for (const auto& file : files) {
     const SafetensorsReader reader(dir + "/" + file);
-    json records;
     try {
-      auto it = reader.metadata().find(kPiecesMetadataKey);
-      records = it == reader.metadata().end() ? json::object() : json::parse(it->second);
-      for (const auto& [name, entry] : reader.entries()) {
-        const json& record = records.at(name);
-        const auto whole_shape = record.at("whole_shape").get<std::vector<int64_t>>();
-        auto [found, inserted] =
-            index.try_emplace(name, IndexedTensor{entry.dtype, whole_shape, {}});
-        if (found->second.dtype != entry.dtype || found->second.shape != whole_shape) {
+      for (auto& [name, record] : records_of(reader)) {
+        const SafetensorsReader::Entry& entry = reader.entries().at(name);
+        const bool inferred = !record.whole_shape;
+        auto [found, inserted] = index.try_emplace(
+            name,
+            IndexedTensor{entry.dtype, record.whole_shape.value_or(std::vector<int64_t>{}), {}});
+        if (inserted && inferred) shape_from_pieces.insert(name);
+        if (found->second.dtype != entry.dtype || inferred != shape_from_pieces.contains(name) ||
+            (!inferred && found->second.shape != *record.whole_shape)) {
           C10_THROW_ERROR(Error, "tensor '" + name + "' has another dtype or whole shape in " +
                                      file + " than in the files before");
         }
-        CheckpointPiece piece{file, record.at("offsets").get<std::vector<int64_t>>(), entry.shape,
-                              record.at("crc32").get<std::string>()};
+        CheckpointPiece piece{file, std::move(record.offsets), entry.shape,
+                              std::move(record.crc32)};
         if (!is_copy_of_indexed(name, found->second, piece)) {
           found->second.pieces.push_back(std::move(piece));
         }
@@ -116,6 +162,15 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
     } catch (const json::exception& error) {
       C10_THROW_ERROR(Error,
                       reader.path() + ": its piece records are malformed (" + error.what() + ")");
+    }
+  }
+  for (const auto& name : shape_from_pieces) {
+    IndexedTensor& tensor = index.at(name);
+    tensor.shape.assign(tensor.pieces.front().shape.size(), 0);
+    for (const auto& piece : tensor.pieces) {
+      for (size_t d = 0; d < tensor.shape.size(); ++d) {
+        tensor.shape[d] = std::max(tensor.shape[d], piece.offsets[d] + piece.shape[d]);
+      }
     }
   }
   for (const auto& [name, tensor] : index) check_covers(name, tensor);

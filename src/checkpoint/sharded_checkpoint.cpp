@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -15,11 +16,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <regex>
 
 #include "../distributed/error_message.h"
 #include "../materialize/model_params.h"
 #include "checkpoint_index.h"
+#include "checkpoint_writing.h"
 #include "durable_files.h"
 #include "full_tensor_source.h"
 #include "hyperparallel/collectives.h"
@@ -31,136 +34,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kIndexFile = "index.json";
-constexpr const char* kCompleteMarker = "COMPLETE";
-constexpr const char* kModelPrefix = "model/";
-constexpr const char* kOptimizerPrefix = "optim/";
-constexpr const char* kExtraPrefix = "extra/";
-
-std::string rank_file(int64_t rank) {
-  char name[40];
-  std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank));
-  return name;
-}
-
-// The World of the model's fully_shard-ed parameters; null when it has none (the calling
-// process saves and loads alone).
-std::shared_ptr<World> world_of(const std::vector<detail::ModelParam>& params,
-                                const std::string& caller) {
-  for (const auto& p : params) {
-    if (p.shard) return p.shard->world();
-  }
-  for (const auto& p : params) {
-    if (p.parallel_slice) {
-      C10_THROW_ERROR(
-          ValueError,
-          caller + ": '" + p.name +
-              "' is a parallel slice of a model that fully_shard does not manage, so the "
-              "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
-              "is fine) or save a full checkpoint");
-    }
-  }
-  return nullptr;
-}
-
-// Runs `step` on this rank and agrees with the other ranks on the outcome (an all-gather,
-// which also makes it a barrier): returns when it succeeded everywhere. Otherwise every
-// rank throws: a rank that failed its own error, the others c10::Error naming the
-// ranks that failed.
-void on_every_rank(const World* world, const std::string& caller, const std::string& what,
-                   const std::function<void()>& step) {
-  std::exception_ptr error;
-  try {
-    step();
-  } catch (const std::exception&) {
-    error = std::current_exception();
-  }
-  std::vector<int64_t> failed;
-  if (world && world->size() > 1) {
-    const at::Tensor mine = at::full({1}, error ? 1 : 0, at::kInt);
-    at::Tensor all = at::empty({world->size()}, at::kInt);
-    all_gather(all, mine, *world->world_group()).wait();
-    for (int64_t r = 0; r < world->size(); ++r) {
-      if (all[r].item<int>() != 0) failed.push_back(r);
-    }
-  }
-  if (error) std::rethrow_exception(error);
-  if (failed.empty()) return;
-  std::string ranks;
-  for (int64_t r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  C10_THROW_ERROR(Error,
-                  caller + ": " + what + " failed on rank(s) " + ranks + " (their errors say why)");
-}
-
-// The tensors one rank writes, with what the index needs to know about each.
-struct RankPieces {
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::map<std::string, detail::PieceRecord> records;
-
-  void add(const std::string& name, const at::Tensor& tensor, std::vector<int64_t> offsets,
-           std::vector<int64_t> whole_shape) {
-    records[name] = {std::move(offsets), std::move(whole_shape), detail::crc32_of(tensor)};
-    tensors.emplace_back(name, tensor.detach());
-  }
-  // A tensor this rank holds whole.
-  void add_whole(const std::string& name, const at::Tensor& tensor) {
-    add(name, tensor, std::vector<int64_t>(tensor.dim(), 0), tensor.sizes().vec());
-  }
-};
-
-// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0) and
-// on rank 0 everything kept whole. Pieces several ranks hold alike (a parameter that is
-// not a parallel slice, on every rank of a tensor-parallel group) are indexed once.
-RankPieces pieces_of_rank(const std::vector<detail::ModelParam>& params, torch::nn::Module& model,
-                          torch::optim::Optimizer* optimizer, const StateDict& extra,
-                          bool is_rank0) {
-  RankPieces pieces;
-  for (const auto& p : params) {
-    const std::optional<detail::ParamOptimizerState> state =
-        optimizer ? detail::optimizer_state_of(*optimizer, p.variable) : std::nullopt;
-    const std::string optim_name = kOptimizerPrefix + p.name + ".";
-    // Where this rank's slice starts in the whole tensor (zeros: not a slice).
-    std::vector<int64_t> slice_offsets(p.whole_shape.size(), 0);
-    if (p.parallel_slice) {
-      const Group& group = *p.parallel_slice->group;
-      const int64_t dim = p.parallel_slice->dim;
-      slice_offsets[dim] = group.rank() * (p.whole_shape[dim] / group.size());
-    }
-    if (!p.shard) {
-      if (!is_rank0 && !p.parallel_slice) continue;
-      pieces.add(kModelPrefix + p.name, p.variable, slice_offsets, p.whole_shape);
-      if (!state) continue;
-      for (const auto& [field, value] : state->fields) {
-        pieces.add(optim_name + field, value, slice_offsets, p.whole_shape);
-      }
-      if (state->step)
-        pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
-      continue;
-    }
-    if (p.shard->replicate_group().rank() != 0) continue;
-    const at::Tensor& local = p.shard->local();
-    if (local.size(p.shard->shard_dim()) > 0) {
-      std::vector<int64_t> offsets = slice_offsets;
-      offsets[p.shard->shard_dim()] += p.shard->shard_offset();
-      pieces.add(kModelPrefix + p.name, local, offsets, p.whole_shape);
-      if (state) {
-        for (const auto& [field, value] : state->fields) {
-          pieces.add(optim_name + field, value, offsets, p.whole_shape);
-        }
-      }
-    }
-    if (state && state->step && p.shard->shard_group().rank() == 0) {
-      pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
-    }
-  }
-  if (is_rank0) {
-    for (const auto& item : model.named_buffers()) {
-      pieces.add_whole(kModelPrefix + item.key(), item.value());
-    }
-    for (const auto& item : extra) pieces.add_whole(kExtraPrefix + item.key(), item.value());
-  }
-  return pieces;
-}
+// Model tensors are named by their fully qualified names alone, as PyTorch names them, so
+// that torch.distributed.checkpoint loads them into a model's state_dict(); checkpoints of
+// earlier versions named them "model/<name>".
+constexpr const char* kEarlierModelPrefix = "model/";
+// What PyTorch's HuggingFaceStorageWriter may write besides the tensors' files.
+constexpr const char* kSafetensorsSuffix = ".safetensors";
+constexpr const char* kDcpWeightMap = "model.safetensors.index.json";
 
 int64_t volume(c10::IntArrayRef shape) {
   int64_t n = 1;
@@ -168,40 +48,110 @@ int64_t volume(c10::IntArrayRef shape) {
   return n;
 }
 
-// What the COMPLETE marker says: "index.json crc32 <8 hex digits>".
-constexpr const char* kCompleteRecord = "index.json crc32 ";
-
 // The index of the complete checkpoint `dir`, checked against the CRC-32 its COMPLETE
 // marker keeps (a marker without one, from a version that wrote none, checks coverage only).
 detail::CheckpointIndex verified_index(const std::string& dir) {
-  const std::string marker = dir + "/" + kCompleteMarker;
+  const std::string marker = dir + "/" + detail::kCompleteMarker;
   std::ifstream in(marker);
   std::string record;
   std::getline(in, record);
   std::string crc32;
   if (!record.empty()) {
-    if (record.rfind(kCompleteRecord, 0) != 0 ||
-        record.size() != std::strlen(kCompleteRecord) + 8) {
+    if (record.rfind(detail::kCompleteRecord, 0) != 0 ||
+        record.size() != std::strlen(detail::kCompleteRecord) + 8) {
       C10_THROW_ERROR(Error,
                       marker + " is damaged (it reads '" + record + "'); load another checkpoint");
     }
-    crc32 = record.substr(std::strlen(kCompleteRecord));
+    crc32 = record.substr(std::strlen(detail::kCompleteRecord));
   }
-  return detail::read_index(dir + "/" + kIndexFile, crc32);
+  return detail::read_index(dir + "/" + detail::kIndexFile, crc32);
 }
 
-// A saved checkpoint, read piece by piece.
+// The safetensors files directly in `dir`, sorted.
+std::vector<std::string> safetensors_files(const std::string& dir) {
+  std::vector<std::string> files;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && name.ends_with(kSafetensorsSuffix)) files.push_back(name);
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+// The index of a directory PyTorch's Distributed Checkpoint wrote with
+// HuggingFaceStorageWriter: sharded files (each piece's offsets in DCP_SHARDING_INFO) or
+// consolidated ones (whole tensors, listed in model.safetensors.index.json). DCP writes no
+// completion marker nor checksums: the pieces must cover every tensor, and the files the
+// weight map lists must all be there.
+detail::CheckpointIndex index_of_pytorch_checkpoint(const std::string& dir,
+                                                    const std::string& caller) {
+  const std::vector<std::string> files = safetensors_files(dir);
+  for (const auto& file : files) {
+    if (detail::SafetensorsReader(dir + "/" + file)
+            .metadata()
+            .contains(detail::kPiecesMetadataKey)) {
+      C10_THROW_ERROR(ValueError, caller + ": " + dir +
+                                      " is not a complete sharded checkpoint (no " +
+                                      detail::kCompleteMarker +
+                                      " marker: a save that did not finish); load an earlier one");
+    }
+  }
+  if (files.empty()) {
+    C10_THROW_ERROR(ValueError, caller + ": " + dir + " is neither a sharded checkpoint (no " +
+                                    detail::kCompleteMarker +
+                                    " marker) nor a directory of safetensors files that PyTorch's "
+                                    "Distributed Checkpoint wrote; pass a checkpoint directory");
+  }
+  const fs::path weight_map = fs::path(dir) / kDcpWeightMap;
+  if (fs::exists(weight_map)) {
+    std::ifstream in(weight_map);
+    try {
+      for (const auto& [name, file] : nlohmann::json::parse(in).at("weight_map").items()) {
+        if (!std::binary_search(files.begin(), files.end(), file.get<std::string>())) {
+          C10_THROW_ERROR(ValueError, caller + ": " + weight_map.string() + " puts '" + name +
+                                          "' in " + file.get<std::string>() +
+                                          ", which is missing (a save that did not finish?)");
+        }
+      }
+    } catch (const nlohmann::json::exception& error) {
+      C10_THROW_ERROR(ValueError,
+                      caller + ": " + weight_map.string() + " is malformed: " + error.what());
+    }
+  }
+  return detail::index_from_files(dir, files);
+}
+
+// A saved checkpoint, read piece by piece: one of ours (COMPLETE), or one PyTorch wrote.
 class ShardedCheckpointReader {
  public:
-  explicit ShardedCheckpointReader(std::string dir)
-      : dir_(std::move(dir)), index_(verified_index(dir_)) {}
+  ShardedCheckpointReader(std::string dir, const std::string& caller)
+      : dir_(std::move(dir)),
+        index_(is_complete_checkpoint(dir_) ? verified_index(dir_)
+                                            : index_of_pytorch_checkpoint(dir_, caller)) {}
 
-  // The entries under `prefix`, named without it.
-  detail::FullTensorSource source(const std::string& prefix) {
+  // The model's parameters and buffers: the entries that are neither optimizer state nor
+  // extras (in a checkpoint of an earlier version, those under "model/").
+  detail::FullTensorSource model_source() {
+    const bool earlier = std::any_of(index_.begin(), index_.end(), [](const auto& entry) {
+      return entry.first.starts_with(kEarlierModelPrefix);
+    });
+    return source(earlier ? kEarlierModelPrefix : "", [earlier](const std::string& name) {
+      return earlier || !(name.starts_with(detail::kOptimizerPrefix) ||
+                          name.starts_with(detail::kExtraPrefix));
+    });
+  }
+
+  // The entries under `prefix` (that `include` accepts), named without it.
+  detail::FullTensorSource source(
+      const std::string& prefix, const std::function<bool(const std::string&)>& include =
+                                     [](const std::string&) { return true; }) {
     detail::FullTensorSource source;
     source.description = "sharded checkpoint " + dir_;
     for (const auto& [name, tensor] : index_) {
-      if (name.rfind(prefix, 0) == 0) source.names.push_back(name.substr(prefix.size()));
+      if (name.starts_with(prefix) && include(name)) {
+        source.names.push_back(name.substr(prefix.size()));
+      }
     }
     source.shape_of = [this, prefix](const std::string& name) -> std::optional<c10::IntArrayRef> {
       auto it = index_.find(prefix + name);
@@ -255,7 +205,7 @@ class ShardedCheckpointReader {
       covered += volume(extent);
     }
     if (covered != volume(shape)) {
-      C10_THROW_ERROR(Error, "tensor '" + name + "' of " + dir_ + "/" + kIndexFile +
+      C10_THROW_ERROR(Error, "tensor '" + name + "' of " + dir_ + "/" + detail::kIndexFile +
                                  ": its pieces do not cover the part requested");
     }
     return result;
@@ -271,7 +221,7 @@ class ShardedCheckpointReader {
                                  c10::str(c10::IntArrayRef(piece.shape)));
     }
     const std::string crc = detail::crc32_of(data);
-    if (crc != piece.crc32) {
+    if (!piece.crc32.empty() && crc != piece.crc32) {
       C10_THROW_ERROR(Error, "tensor '" + name + "' in " + file->path() + " is damaged: CRC-32 " +
                                  crc + ", written with " + piece.crc32 +
                                  "; load another checkpoint");
@@ -295,40 +245,11 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
   for (const auto& p : params) {
     if (p.shard) detail::require_sharded(*p.shard, p.name, caller.c_str());
   }
-  const std::shared_ptr<World> world = world_of(params, caller);
-  const int64_t rank = world ? world->rank() : 0;
-  const int64_t ranks = world ? world->size() : 1;
-  const std::string staged = dir + ".partial";
-  try {
-    on_every_rank(world.get(), caller, "preparing " + staged, [&] {
-      if (rank != 0) return;
-      fs::remove_all(staged);  // left by a save that did not complete
-      fs::create_directories(staged);
-    });
-    on_every_rank(world.get(), caller, "writing the ranks' files into " + staged, [&] {
-      const RankPieces pieces = pieces_of_rank(params, model, optimizer, extra, rank == 0);
-      detail::write_safetensors(
-          staged + "/" + rank_file(rank), pieces.tensors,
-          {{detail::kPiecesMetadataKey, detail::pieces_metadata(pieces.records)}});
-    });
-    on_every_rank(world.get(), caller, "completing " + dir, [&] {
-      if (rank != 0) return;
-      std::vector<std::string> files;
-      for (int64_t r = 0; r < ranks; ++r) files.push_back(rank_file(r));
-      const std::string index_crc32 =
-          detail::write_index(detail::index_from_files(staged, files), staged + "/" + kIndexFile);
-      detail::write_file_durably(staged + "/" + kCompleteMarker,
-                                 kCompleteRecord + index_crc32 + "\n");
-      detail::sync_directory(staged);
-      detail::replace_directory(staged, dir);
-    });
-  } catch (...) {
-    if (rank == 0) {
-      std::error_code ignored;
-      fs::remove_all(staged, ignored);
-    }
-    throw;
-  }
+  const std::shared_ptr<World> world = detail::world_of(params, caller);
+  const Group* group = world ? world->world_group().get() : nullptr;
+  detail::write_checkpoint(
+      dir, detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0),
+      group, caller);
 }
 
 StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
@@ -336,28 +257,24 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
   const std::string caller = "load_sharded_checkpoint";
   const std::vector<detail::ModelParam> params = detail::model_params(model);
   StateDict extra;
-  on_every_rank(world_of(params, caller).get(), caller, "loading " + dir, [&] {
-    if (!is_complete_checkpoint(dir)) {
-      C10_THROW_ERROR(
-          ValueError,
-          caller + ": " + dir + " is not a complete sharded checkpoint (no " + kCompleteMarker +
-              " marker: a save that did not finish, or not a checkpoint); load an earlier one");
-    }
-    ShardedCheckpointReader reader(dir);
-    detail::load_model_state(model, reader.source(kModelPrefix), strict, caller);
-    if (optimizer) {
-      detail::load_optimizer_state(model, *optimizer, reader.source(kOptimizerPrefix), strict,
-                                   caller);
-    }
-    const detail::FullTensorSource extras = reader.source(kExtraPrefix);
-    for (const auto& name : extras.names) extra.insert(name, extras.read(name));
-  });
+  const std::shared_ptr<World> world = detail::world_of(params, caller);
+  detail::on_every_rank(
+      world ? world->world_group().get() : nullptr, caller, "loading " + dir, [&] {
+        ShardedCheckpointReader reader(dir, caller);
+        detail::load_model_state(model, reader.model_source(), strict, caller);
+        if (optimizer) {
+          detail::load_optimizer_state(model, *optimizer, reader.source(detail::kOptimizerPrefix),
+                                       strict, caller);
+        }
+        const detail::FullTensorSource extras = reader.source(detail::kExtraPrefix);
+        for (const auto& name : extras.names) extra.insert(name, extras.read(name));
+      });
   return extra;
 }
 
 bool is_complete_checkpoint(const std::string& dir) {
   std::error_code ignored;
-  return fs::is_regular_file(fs::path(dir) / kCompleteMarker, ignored);
+  return fs::is_regular_file(fs::path(dir) / detail::kCompleteMarker, ignored);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root,

@@ -95,9 +95,9 @@ HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
         std::string("sys.path.insert(0, '") + HP_SOURCE_DIR +
         "/tools')\n"
         "import sharded_checkpoint\n"
-        "model = sharded_checkpoint.load('" +
+        "model = sharded_checkpoint.load_model('" +
         checkpoint +
-        "', 'model/')\n"
+        "')\n"
         "expected = torch.load('" +
         dir +
         "/expected_model.pt', weights_only=True)\n"
@@ -273,7 +273,7 @@ HP_DIST_TEST(ShardedCheckpoint, ADamagedIndexIsRefusedAndPassedOver, 2) {
         << refused.output;
     const ProgramRun intact = python_reader(first);
     EXPECT_EQ(intact.exit_code, 0) << intact.output;
-    EXPECT_TRUE(contains(intact.output, "model/")) << intact.output;
+    EXPECT_TRUE(contains(intact.output, "optim/")) << intact.output;
   }
 
   // A marker without the CRC (as older saves wrote it): the coverage check still refuses.
@@ -309,10 +309,11 @@ bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {
   return false;
 }
 
-// Two ranks saving one checkpoint after the other (each its shards) have rank 0 killed
-// (SIGKILL) at 20 random moments, hp-run then stopping the other: the newest complete
-// checkpoint always loads, whole and from one step.
-TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
+// Two ranks saving one checkpoint after the other (each its shards; with `async`, through
+// an AsyncCheckpointSaver) have rank 0 killed (SIGKILL) at `kills` random moments, hp-run
+// then stopping the other: the newest complete checkpoint always loads, whole and from one
+// step.
+void expect_killed_saves_leave_a_complete_checkpoint(bool async, int kills) {
   const fs::path root = fs::temp_directory_path() / ("hp_sharded_kill_" + std::to_string(getpid()));
   fs::remove_all(root);
   const std::string log_path = root.string() + ".log";
@@ -320,7 +321,7 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
   save_step(model, root.string(), 1);
   std::mt19937 random(2026);
   int interrupted = 0;
-  for (int kill_number = 0; kill_number < 20; ++kill_number) {
+  for (int kill_number = 0; kill_number < kills; ++kill_number) {
     const std::optional<std::string> before = latest_checkpoint(root.string());
     const fs::file_time_type started = fs::file_time_type::clock::now();
     ASSERT_TRUE(before.has_value());
@@ -332,12 +333,12 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
     const pid_t launcher = fork();
     ASSERT_GE(launcher, 0);
     if (launcher == 0) {
-      // This round's output only (20 rounds of "rank 0 was killed" lines): shown if it fails.
+      // This round's output only (not every round's "rank 0 was killed"): shown if it fails.
       const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(log, STDOUT_FILENO);
       dup2(log, STDERR_FILENO);
       execl(HP_RUN_PATH, HP_RUN_PATH, "-n", "2", "--", HP_SAVER_PATH, root.c_str(),
-            first_step.c_str(), nullptr);
+            first_step.c_str(), async ? "--async" : nullptr, nullptr);
       _exit(127);
     }
     // Rank 0 killed once the ranks save (LibTorch takes a while to load), at a random
@@ -389,10 +390,20 @@ TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
           << *latest << " mixes steps";
     }
   }
-  std::printf("kills that interrupted a save: %d of 20\n", interrupted);
+  std::printf("kills that interrupted a save: %d of %d\n", interrupted, kills);
   EXPECT_GT(interrupted, 0) << "no kill landed inside a save: the test proved nothing";
   fs::remove_all(root);
   fs::remove(log_path);
+}
+
+TEST(ShardedCheckpoint, KilledSaveLeavesACompleteCheckpoint) {
+  expect_killed_saves_leave_a_complete_checkpoint(/*async=*/false, 20);
+}
+
+// The same with the writes in the background: a rank killed while its writer thread runs
+// leaves the previous checkpoint intact and the new one unloaded.
+TEST(ShardedCheckpoint, KilledAsyncSaveLeavesACompleteCheckpoint) {
+  expect_killed_saves_leave_a_complete_checkpoint(/*async=*/true, 10);
 }
 
 }  // namespace

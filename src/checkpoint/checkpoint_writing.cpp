@@ -1,0 +1,182 @@
+// What each rank of a sharded checkpoint writes, and the protocol that commits it.
+#include "checkpoint_writing.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <optional>
+
+#include "checkpoint_index.h"
+#include "durable_files.h"
+#include "hyperparallel/collectives.h"
+#include "safetensors_file.h"
+#include "state_io.h"
+
+namespace hp::detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string rank_file(int64_t rank) {
+  char name[40];
+  std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank));
+  return name;
+}
+
+}  // namespace
+
+std::shared_ptr<World> world_of(const std::vector<ModelParam>& params, const std::string& caller) {
+  for (const auto& p : params) {
+    if (p.shard) return p.shard->world();
+  }
+  for (const auto& p : params) {
+    if (p.parallel_slice) {
+      C10_THROW_ERROR(
+          ValueError,
+          caller + ": '" + p.name +
+              "' is a parallel slice of a model that fully_shard does not manage, so the "
+              "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
+              "is fine) or save a full checkpoint");
+    }
+  }
+  return nullptr;
+}
+
+void on_every_rank(const Group* group, const std::string& caller, const std::string& what,
+                   const std::function<void()>& step) {
+  std::exception_ptr error;
+  try {
+    step();
+  } catch (const std::exception&) {
+    error = std::current_exception();
+  }
+  std::vector<int64_t> failed;
+  if (group && group->size() > 1) {
+    const at::Tensor mine = at::full({1}, error ? 1 : 0, at::kInt);
+    at::Tensor all = at::empty({group->size()}, at::kInt);
+    all_gather(all, mine, *group).wait();
+    for (int64_t r = 0; r < group->size(); ++r) {
+      if (all[r].item<int>() != 0) failed.push_back(r);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  if (failed.empty()) return;
+  std::string ranks;
+  for (int64_t r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  C10_THROW_ERROR(Error,
+                  caller + ": " + what + " failed on rank(s) " + ranks + " (their errors say why)");
+}
+
+// Collects what one rank writes.
+struct PieceList {
+  std::vector<RankPiece> pieces;
+
+  void add(const std::string& name, const at::Tensor& tensor, std::vector<int64_t> offsets,
+           std::vector<int64_t> whole_shape) {
+    pieces.push_back({name, tensor.detach(), std::move(offsets), std::move(whole_shape)});
+  }
+  // A tensor this rank holds whole.
+  void add_whole(const std::string& name, const at::Tensor& tensor) {
+    add(name, tensor, std::vector<int64_t>(tensor.dim(), 0), tensor.sizes().vec());
+  }
+};
+
+// Pieces several ranks hold alike (a parameter that is
+// not a parallel slice, on every rank of a tensor-parallel group) are indexed once.
+std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
+                                      torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                                      const StateDict& extra, bool is_rank0) {
+  PieceList pieces;
+  for (const auto& p : params) {
+    const std::optional<ParamOptimizerState> state =
+        optimizer ? optimizer_state_of(*optimizer, p.variable) : std::nullopt;
+    const std::string optim_name = kOptimizerPrefix + p.name + ".";
+    // Where this rank's slice starts in the whole tensor (zeros: not a slice).
+    std::vector<int64_t> slice_offsets(p.whole_shape.size(), 0);
+    if (p.parallel_slice) {
+      const Group& group = *p.parallel_slice->group;
+      const int64_t dim = p.parallel_slice->dim;
+      slice_offsets[dim] = group.rank() * (p.whole_shape[dim] / group.size());
+    }
+    if (!p.shard) {
+      if (!is_rank0 && !p.parallel_slice) continue;
+      pieces.add(p.name, p.variable, slice_offsets, p.whole_shape);
+      if (!state) continue;
+      for (const auto& [field, value] : state->fields) {
+        pieces.add(optim_name + field, value, slice_offsets, p.whole_shape);
+      }
+      if (state->step)
+        pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
+      continue;
+    }
+    if (p.shard->replicate_group().rank() != 0) continue;
+    const at::Tensor& local = p.shard->local();
+    if (local.size(p.shard->shard_dim()) > 0) {
+      std::vector<int64_t> offsets = slice_offsets;
+      offsets[p.shard->shard_dim()] += p.shard->shard_offset();
+      pieces.add(p.name, local, offsets, p.whole_shape);
+      if (state) {
+        for (const auto& [field, value] : state->fields) {
+          pieces.add(optim_name + field, value, offsets, p.whole_shape);
+        }
+      }
+    }
+    if (state && state->step && p.shard->shard_group().rank() == 0) {
+      pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
+    }
+  }
+  if (is_rank0) {
+    for (const auto& item : model.named_buffers()) {
+      pieces.add_whole(item.key(), item.value());
+    }
+    for (const auto& item : extra) pieces.add_whole(kExtraPrefix + item.key(), item.value());
+  }
+  return std::move(pieces.pieces);
+}
+
+void write_checkpoint(const std::string& dir, const std::vector<RankPiece>& pieces,
+                      const Group* group, const std::string& caller) {
+  const int64_t rank = group ? group->rank() : 0;
+  const int64_t ranks = group ? group->size() : 1;
+  const std::string staged = dir + ".partial";
+  try {
+    on_every_rank(group, caller, "preparing " + staged, [&] {
+      if (rank != 0) return;
+      fs::remove_all(staged);  // left by a save that did not complete
+      fs::create_directories(staged);
+    });
+    on_every_rank(group, caller, "writing the ranks' files into " + staged, [&] {
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      std::map<std::string, PieceRecord> records;
+      for (const auto& piece : pieces) {
+        records[piece.name] = {piece.offsets, piece.whole_shape, crc32_of(piece.tensor)};
+        tensors.emplace_back(piece.name, piece.tensor);
+      }
+      std::map<std::string, std::string> metadata = dcp_metadata(records);
+      metadata.emplace(kPiecesMetadataKey, pieces_metadata(records));
+      write_safetensors(staged + "/" + rank_file(rank), tensors, metadata);
+    });
+    on_every_rank(group, caller, "completing " + dir, [&] {
+      if (rank != 0) return;
+      std::vector<std::string> files;
+      for (int64_t r = 0; r < ranks; ++r) files.push_back(rank_file(r));
+      const std::string index_crc32 =
+          write_index(index_from_files(staged, files), staged + "/" + kIndexFile);
+      write_file_durably(staged + "/" + kCompleteMarker, kCompleteRecord + index_crc32 + "\n");
+      sync_directory(staged);
+      replace_directory(staged, dir);
+    });
+  } catch (...) {
+    if (rank == 0) {
+      std::error_code ignored;
+      fs::remove_all(staged, ignored);
+    }
+    throw;
+  }
+}
+
+}  // namespace hp::detail

@@ -1,0 +1,54 @@
+#pragma once
+// Writing a sharded checkpoint, shared by the synchronous save and the background one:
+// what each rank writes, and the protocol that makes the directory appear complete on
+// every rank or not at all.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../materialize/model_params.h"
+#include "hyperparallel/process_group.h"
+#include "hyperparallel/state_dict.h"
+
+namespace hp::detail {
+
+// Where each tensor a rank writes lies in its whole tensor.
+struct RankPiece {
+  std::string name;
+  at::Tensor tensor;
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> whole_shape;
+};
+
+// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0) and on
+// rank 0 everything kept whole. The tensors are the live ones (detached).
+std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
+                                      torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                                      const StateDict& extra, bool is_rank0);
+
+// The World of the model's fully_shard-ed parameters; null when it has none (the calling
+// process saves and loads alone). Throws c10::ValueError naming `caller` for a model with
+// parallel slices but no fully_shard.
+std::shared_ptr<World> world_of(const std::vector<ModelParam>& params, const std::string& caller);
+
+// Runs `step` on this rank and agrees with the other ranks of `group` (null: alone) on the
+// outcome (an all-gather, which also makes it a barrier): returns when it succeeded
+// everywhere. Otherwise every rank throws: a rank that failed its own error, the others
+// c10::Error naming the ranks that failed.
+void on_every_rank(const Group* group, const std::string& caller, const std::string& what,
+                   const std::function<void()>& step);
+
+// Writes `pieces` as this rank's file of the checkpoint `dir` (group rank r writes
+// rank-<r>.safetensors), and group rank 0 commits the directory once every file is
+// complete: the atomic protocol of save_sharded_checkpoint. A collective over `group`.
+void write_checkpoint(const std::string& dir, const std::vector<RankPiece>& pieces,
+                      const Group* group, const std::string& caller);
+
+}  // namespace hp::detail
