@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sharded checkpoints and PyTorch's Distributed Checkpoint (DCP) read each other:
+#  1. C++ (fully_shard on 2 ranks) saves a checkpoint with hp::save_sharded_checkpoint;
+#  2. DCP's HuggingFaceStorageReader loads it into a plain PyTorch model, then into an
+#     FSDP2 model on 2 ranks: every tensor bitwise, the loss C++ stored within 1e-6;
+#  3. DCP's HuggingFaceStorageWriter saves a PyTorch model sharded (FSDP2, 2 ranks) and
+#     consolidated (FSDP2 on 2 ranks, and a plain model in one process);
+#  4. hp::load_sharded_checkpoint loads each into the C++ model on 1, 2 and 3 ranks.
+# Usage: dcp_interop.sh HP_RUN DCP_INTEROP SOURCE_DIR (python3 is the one on PATH).
+# Exits 77 (skipped) where python3's torch has no HuggingFaceStorageReader.
+set -euo pipefail
+hp_run=$1 program=$2 source_dir=$3
+python_side=$source_dir/tests/python/dcp_interop.py
+work=$(mktemp -d "${TMPDIR:-/tmp}/hp_dcp_interop.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+step() {
+  echo "=== $*"
+  "$@"
+}
+on_ranks() {  # on_ranks N CMD...: CMD on N ranks
+  local ranks=$1
+  shift
+  step "$hp_run" -n "$ranks" --timeout 120 -- "$@"
+}
+
+on_ranks 2 "$program" export "$work/from_cpp"
+step python3 "$python_side" read "$work/from_cpp"  # set -e passes its 77 (skip) on
+on_ranks 2 python3 "$python_side" read "$work/from_cpp"
+
+on_ranks 2 python3 "$python_side" write "$work/sharded" --mode sharded
+on_ranks 2 python3 "$python_side" write "$work/consolidated" --mode consolidated
+step python3 "$python_side" write "$work/consolidated_one_process" --mode consolidated
+for ranks in 1 2 3; do
+  on_ranks "$ranks" "$program" import "$work/sharded" "$work/consolidated" \
+    "$work/consolidated_one_process"
+done
+echo "dcp_interop: passed"
