@@ -1,16 +1,31 @@
 #pragma once
-// Pipeline parallelism: a model cut into stages, one stage per rank of a pipeline group.
-// Microbatches flow forward through the stages and their gradients flow back, under the
-// GPipe schedule (all forwards, then all backwards). Composes with fully_shard: a stage
-// may be fully_shard-ed over the data-parallel ranks that run the same stage; its
-// gradients are then reduced once per step, in the last microbatch's backward.
+// Pipeline parallelism: a model cut into stages over the ranks of a pipeline group.
+// Microbatches flow forward through the stages and their gradients flow back, in the order
+// a schedule gives each rank:
+//
+//   GPipeSchedule                all forwards, then all backwards: a stage holds the
+//                                activations of all M microbatches; the bubble (idle share
+//                                of a step) is (S-1)/(M+S-1) for S stages
+//   OneFOneBSchedule             S-1-r warm-up forwards on rank r, then one forward / one
+//                                backward: a stage holds at most S microbatches' activations
+//                                (same bubble as GPipe)
+//   InterleavedOneFOneBSchedule  each rank holds V model chunks (virtual stages), chunk v of
+//                                rank r being stage v*S + r of the V*S: the bubble shrinks
+//                                to (S-1)/(V*M+S-1)
+//
+// Every schedule computes the same gradients in the same order of microbatches per stage,
+// so their results are bitwise equal. Sends and receives are asynchronous: each action's
+// receive is posted before the previous action computes, and sends complete while the
+// next ones run. Composes with fully_shard: a stage (chunk) may be fully_shard-ed over the
+// data-parallel ranks that run it; its gradients are reduced once per step, in that chunk's
+// last backward (the others accumulate unsharded).
 //
 //   // 2 stages x 2 data-parallel ranks: mesh {pp: 2, dp_shard: 2}
 //   hp::fully_shard(stage_module, {.mesh = mesh.slice({"dp_shard"})});
-//   hp::GPipeSchedule schedule({.forward = [&](const at::Tensor& x) { return stage_module(x); },
-//                               .group = mesh.group("pp"),
-//                               .fsdp = stage_module.fsdp()},
-//                              /*microbatches=*/4, loss_fn);
+//   hp::OneFOneBSchedule schedule({.forward = [&](const at::Tensor& x) { return stage_module(x); },
+//                                  .group = mesh.group("pp"),
+//                                  .fsdp = stage_module.fsdp()},
+//                                 /*microbatches=*/4, loss_fn);
 //   auto result = schedule.step(first ? input : at::Tensor(), last ? target : at::Tensor());
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +33,8 @@
 
 #include <functional>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
@@ -25,13 +42,16 @@
 namespace hp {
 
 struct PipelineStage {
-  // This rank's part of the model: the input batch (first stage) or the activation from
-  // the previous stage, to the activation for the next stage (or the model's output, on
-  // the last stage). Activations are sent with their shape and dtype, so they may vary.
+  // This rank's part of the model (one chunk of it, under an interleaved schedule): the
+  // input batch (first stage) or the activation from the previous stage, to the activation
+  // for the next stage (or the model's output, on the last stage). Activations are sent
+  // with their shape and dtype at a step's first microbatch; the others of the step must
+  // have the same (equal microbatches of one batch do), so that their receives are posted
+  // ahead.
   std::function<at::Tensor(const at::Tensor&)> forward;
-  // The pipeline group: stage s runs on group rank s.
+  // The pipeline group, the same for all of a rank's chunks.
   GroupPtr group;
-  // Set when the stage is fully_shard-ed: gradients are reduced only in the last
+  // Set when the stage is fully_shard-ed: gradients are reduced only in its last
   // microbatch's backward (the others accumulate unsharded).
   std::optional<FSDPModule> fsdp;
   // Where activations received from the previous stage are put (this rank's device).
@@ -39,34 +59,76 @@ struct PipelineStage {
 };
 
 struct PipelineStepResult {
-  // Last stage: the loss of the whole batch, the mean of the microbatches' losses.
-  // Undefined on the other stages.
+  // On the rank with the last stage: the loss of the whole batch, the mean of the
+  // microbatches' losses. Undefined on the others.
   at::Tensor loss;
-  // The gradients at the stage boundaries, microbatches concatenated along dim 0: what
-  // this stage received for its output (undefined on the last stage) and sent back for
-  // its input (undefined on the first).
-  at::Tensor output_grad;
-  at::Tensor input_grad;
+  // Per chunk of this rank (one but for interleaved schedules), the gradients at its
+  // boundaries, microbatches concatenated along dim 0: what it received for its output
+  // (undefined at the last stage) and sent back for its input (undefined at the first).
+  std::vector<at::Tensor> output_grads;
+  std::vector<at::Tensor> input_grads;
 };
 
-class GPipeSchedule {
+// One step of a rank's schedule: a forward or backward of one microbatch through one of
+// its chunks.
+struct PipelineAction {
+  enum Kind { kForward, kBackward };
+  Kind kind;
+  int64_t chunk;
+  int64_t microbatch;
+  bool operator==(const PipelineAction&) const = default;
+};
+// "F0.2" (forward of microbatch 2 through chunk 0), "B1.0", ...
+std::string to_string(const PipelineAction& action);
+
+class PipelineSchedule {
  public:
   // loss_fn(output, target) of one microbatch, a mean over its samples (like
   // torch::mse_loss): the step's loss is the mean over microbatches, so gradients are
   // those of loss_fn over the whole batch.
-  GPipeSchedule(PipelineStage stage, int64_t microbatches,
-                std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_fn);
+  using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+  virtual ~PipelineSchedule() = default;
 
   // One forward and backward of a batch; gradients accumulate in the stages'
-  // parameters. The first stage passes `input`, the last stage `target` (both split
-  // into microbatches along dim 0, which the count must divide); other stages pass
-  // undefined tensors. A collective over the pipeline group.
+  // parameters. The rank of the first stage passes `input`, the rank of the last stage
+  // `target` (both split into microbatches along dim 0, which the count must divide);
+  // other ranks pass undefined tensors. A collective over the pipeline group.
   PipelineStepResult step(const at::Tensor& input, const at::Tensor& target);
 
+  // This rank's actions of a step, in the order it runs them.
+  const std::vector<PipelineAction>& actions() const { return actions_; }
+
+ protected:
+  // Checks the arguments (c10::ValueError naming the problem) and sets the actions from
+  // `order(rank, ranks, chunks, microbatches)`.
+  PipelineSchedule(
+      std::vector<PipelineStage> chunks, int64_t microbatches, LossFn loss_fn,
+      const std::function<std::vector<PipelineAction>(int64_t, int64_t, int64_t, int64_t)>& order);
+
  private:
-  PipelineStage stage_;
+  std::vector<PipelineStage> chunks_;
   int64_t microbatches_;
-  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_fn_;
+  LossFn loss_fn_;
+  std::vector<PipelineAction> actions_;
+};
+
+class GPipeSchedule : public PipelineSchedule {
+ public:
+  GPipeSchedule(PipelineStage stage, int64_t microbatches, LossFn loss_fn);
+};
+
+class OneFOneBSchedule : public PipelineSchedule {
+ public:
+  OneFOneBSchedule(PipelineStage stage, int64_t microbatches, LossFn loss_fn);
+};
+
+// `chunks`: this rank's V >= 2 chunks, chunk v being stage v*S + rank. The microbatch
+// count must be a multiple of S (microbatches go through the chunks in groups of S).
+class InterleavedOneFOneBSchedule : public PipelineSchedule {
+ public:
+  InterleavedOneFOneBSchedule(std::vector<PipelineStage> chunks, int64_t microbatches,
+                              LossFn loss_fn);
 };
 
 }  // namespace hp

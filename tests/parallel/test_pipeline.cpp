@@ -107,7 +107,7 @@ HP_DIST_TEST(Pipeline, L2_09_TwoStagesTimesTwoFsdpMatchesReference, 4) {
     // This rank's loss averages over its half of the batch: its boundary gradient is
     // twice its half of the global one.
     const at::Tensor expected_boundary = 2 * testing::local_batch(boundary.grad(), dp, 2);
-    const at::Tensor& boundary_grad = first ? result.output_grad : result.input_grad;
+    const at::Tensor& boundary_grad = first ? result.output_grads[0] : result.input_grads[0];
     ASSERT_TRUE(boundary_grad.defined());
     EXPECT_TRUE(torch::allclose(boundary_grad, expected_boundary, 0, 1e-5))
         << "stage boundary gradient";

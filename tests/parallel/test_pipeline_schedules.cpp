@@ -1,0 +1,250 @@
+// Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) against the single-process model on
+// the global batch: loss, every gradient and every stage-boundary gradient within 1e-5, on
+// 2 and 4 stages, with as many microbatches as stages and twice as many, alone and with 2
+// fully_shard ranks per stage. Every schedule is bitwise equal to GPipe (the same
+// arithmetic, in the same order per stage), and a rerun to itself. A traced step runs the
+// schedule's table, each receive posted before the action ahead of it computes; 1F1B holds
+// the activations of at most the microbatches its table says (S-1-r ahead of a forward on
+// rank r), GPipe of all of them.
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cpu_memory_probe.h"
+#include "distributed_test.h"
+#include "error_of.h"
+#include "fsdp_test_util.h"
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/mesh.h"
+#include "hyperparallel/pipeline.h"
+#include "hyperparallel/trace.h"
+#include "models/mlp.h"
+
+namespace hp {
+namespace {
+
+using models::Mlp;
+using models::MlpBlock;
+using testing::error_of;
+
+constexpr int64_t kBlocksPerStage = 2, kIn = 5, kDim = 8, kHidden = 64, kOut = 3, kBatch = 8;
+
+// Stage `stage` of `stages` of the whole MLP: the input projection (first stage), its
+// blocks, the head (last stage); copies of the whole model's parameters.
+struct StageImpl : torch::nn::Module {
+  StageImpl(Mlp& whole, int64_t stage, int64_t stages) : first_block(stage * kBlocksPerStage) {
+    torch::NoGradGuard no_grad;
+    auto copy = [](torch::nn::Linear from) {
+      torch::nn::Linear to(from->options);
+      to->weight.copy_(from->weight);
+      to->bias.copy_(from->bias);
+      return to;
+    };
+    if (stage == 0) input = register_module("input", copy(whole->input));
+    for (int64_t i = 0; i < kBlocksPerStage; ++i) {
+      auto& from = whole->blocks[first_block + i];
+      MlpBlock block(kDim, kHidden);
+      block->fc1 = block->replace_module("fc1", copy(from->fc1));
+      block->fc2 = block->replace_module("fc2", copy(from->fc2));
+      blocks.push_back(register_module("block" + std::to_string(i), block));
+    }
+    if (stage == stages - 1) head = register_module("head", copy(whole->head));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = input ? input(x) : x;
+    for (auto& block : blocks) h = block(h);
+    return head ? head(h) : h;
+  }
+  // This stage's parameter `name` as the whole model names it.
+  std::string whole_name(const std::string& name) const {
+    if (!name.starts_with("block")) return name;
+    const int64_t i = name[5] - '0';
+    return "blocks." + std::to_string(first_block + i) + name.substr(6);
+  }
+  int64_t first_block;
+  torch::nn::Linear input{nullptr}, head{nullptr};
+  std::vector<MlpBlock> blocks;
+};
+TORCH_MODULE(Stage);
+
+enum class Kind { kGPipe, kOneFOneB, kInterleaved };
+const char* name_of(Kind kind) {
+  return kind == Kind::kGPipe ? "GPipe" : kind == Kind::kOneFOneB ? "1F1B" : "interleaved";
+}
+
+// The reference: the whole model on the global batch, with the gradient of every stage
+// boundary (the input of stage s > 0, concatenated microbatches).
+struct Reference {
+  at::Tensor loss;
+  std::map<std::string, at::Tensor> grads;
+  std::vector<at::Tensor> boundary_grads;  // [s]: of stage s's input
+};
+
+Reference reference_step(Mlp& whole, int64_t stages, const at::Tensor& x, const at::Tensor& y) {
+  Reference result;
+  at::Tensor h = whole->input(x);
+  std::vector<at::Tensor> boundaries(stages);
+  for (int64_t s = 0; s < stages; ++s) {
+    if (s > 0) {
+      h.retain_grad();
+      boundaries[s] = h;
+    }
+    for (int64_t i = 0; i < kBlocksPerStage; ++i) h = whole->blocks[s * kBlocksPerStage + i](h);
+  }
+  result.loss = torch::mse_loss(whole->head(h), y);
+  result.loss.backward();
+  result.grads = testing::reference_grads(*whole);
+  for (auto& boundary : boundaries) {
+    result.boundary_grads.push_back(boundary.defined() ? boundary.grad() : at::Tensor());
+  }
+  return result;
+}
+
+// This rank's stages under `kind`: one, or (interleaved) two, stage v*S + rank being chunk v.
+struct RankStages {
+  std::vector<Stage> modules;
+  std::unique_ptr<PipelineSchedule> schedule;
+};
+
+RankStages build(Kind kind, Mlp& whole, const GroupPtr& pp, int64_t microbatches,
+                 const std::optional<DeviceMesh>& dp_mesh = std::nullopt) {
+  const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1;
+  const int64_t stages = chunks * pp->size();
+  RankStages result;
+  std::vector<PipelineStage> parts;
+  for (int64_t v = 0; v < chunks; ++v) {
+    Stage module(whole, v * pp->size() + pp->rank(), stages);
+    PipelineStage part{.forward = [module](const at::Tensor& x) mutable { return module(x); },
+                       .group = pp};
+    if (dp_mesh) {
+      Sharded<Stage> sharded(module);
+      part.fsdp = fully_shard(sharded, {.mesh = *dp_mesh});
+      part.forward = [sharded](const at::Tensor& x) mutable { return sharded(x); };
+    }
+    result.modules.push_back(module);
+    parts.push_back(std::move(part));
+  }
+  if (kind == Kind::kGPipe) {
+    result.schedule =
+        std::make_unique<GPipeSchedule>(parts.front(), microbatches, testing::mse_loss);
+  } else if (kind == Kind::kOneFOneB) {
+    result.schedule =
+        std::make_unique<OneFOneBSchedule>(parts.front(), microbatches, testing::mse_loss);
+  } else {
+    result.schedule = std::make_unique<InterleavedOneFOneBSchedule>(std::move(parts), microbatches,
+                                                                    testing::mse_loss);
+  }
+  return result;
+}
+
+// This rank's gradients, named as the whole model names them (whole tensors).
+std::map<std::string, at::Tensor> stage_grads(RankStages& stages) {
+  std::map<std::string, at::Tensor> grads;
+  for (auto& module : stages.modules) {
+    for (const auto& item : module->named_parameters()) {
+      grads[module->whole_name(item.key())] = item.value().grad().clone();
+    }
+  }
+  return grads;
+}
+
+// Pure pipeline parallelism on all ranks: each schedule against the reference, bitwise
+// equal to GPipe on the same stages, and a rerun bitwise equal to the first run.
+HP_DIST_TEST(PipelineSchedules, EachMatchesTheReferenceAndGPipeBitwise, 2, 4) {
+  auto world = testing::world();
+  const GroupPtr pp = world->world_group();
+  const int64_t ranks = pp->size(), rank = pp->rank();
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  for (int64_t microbatches : {ranks, 2 * ranks}) {
+    std::map<int64_t, std::map<std::string, at::Tensor>> gpipe_grads;  // by chunk count
+    for (Kind kind : {Kind::kGPipe, Kind::kOneFOneB, Kind::kInterleaved}) {
+      SCOPED_TRACE(std::string(name_of(kind)) + ", " + std::to_string(microbatches) +
+                   " microbatches");
+      const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1;
+      const int64_t stages = chunks * ranks;
+      torch::manual_seed(42);
+      Mlp whole(kIn, kDim, kHidden, kOut, stages * kBlocksPerStage);
+      RankStages mine = build(kind, whole, pp, microbatches);
+      const Reference reference = reference_step(whole, stages, x, y);
+      const bool first = rank == 0, last = rank == ranks - 1;
+      const PipelineStepResult result =
+          mine.schedule->step(first ? x : at::Tensor(), last ? y : at::Tensor());
+      if (last) EXPECT_NEAR(result.loss.item<double>(), reference.loss.item<double>(), 1e-5);
+      const auto grads = stage_grads(mine);
+      for (const auto& [name, grad] : grads) {
+        EXPECT_TRUE(torch::allclose(grad, reference.grads.at(name), 0, 1e-5)) << name;
+      }
+      for (int64_t v = 0; v < chunks; ++v) {
+        const int64_t stage = v * ranks + rank;
+        if (stage > 0) {
+          EXPECT_TRUE(
+              torch::allclose(result.input_grads[v], reference.boundary_grads[stage], 0, 1e-5))
+              << "the gradient stage " << stage << " sent back";
+        }
+        if (stage < stages - 1) {
+          EXPECT_TRUE(
+              torch::allclose(result.output_grads[v], reference.boundary_grads[stage + 1], 0, 1e-5))
+              << "the gradient stage " << stage << " received";
+        }
+      }
+      // A rerun from zeroed gradients gives the same bits.
+      for (auto& module : mine.modules) module->zero_grad();
+      mine.schedule->step(first ? x : at::Tensor(), last ? y : at::Tensor());
+      for (const auto& [name, grad] : stage_grads(mine)) {
+        EXPECT_TRUE(torch::equal(grad, grads.at(name))) << "rerun " << name;
+      }
+      if (kind == Kind::kGPipe) {
+        gpipe_grads[1] = grads;
+      } else if (kind == Kind::kOneFOneB) {
+        for (const auto& [name, grad] : grads) {
+          EXPECT_TRUE(torch::equal(grad, gpipe_grads[1].at(name))) << "1F1B vs GPipe " << name;
+        }
+      }
+    }
+  }
+}
+
+// Interleaved stages on one rank each run GPipe's arithmetic too: the interleaved run on S
+// ranks is bitwise equal to GPipe on 2S ranks (the same 2S stages).
+HP_DIST_TEST(PipelineSchedules, InterleavedIsBitwiseEqualToGPipeOnTwiceTheRanks, 4) {
+  auto world = testing::world();
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  constexpr int64_t kMicrobatches = 4;
+  const auto grads_of = [&](Kind kind, const GroupPtr& pp) {
+    torch::manual_seed(42);
+    Mlp whole(kIn, kDim, kHidden, kOut, 4 * kBlocksPerStage);
+    RankStages mine = build(kind, whole, pp, kMicrobatches);
+    const bool first = pp->rank() == 0, last = pp->rank() == pp->size() - 1;
+    mine.schedule->step(first ? x : at::Tensor(), last ? y : at::Tensor());
+    return stage_grads(mine);
+  };
+  const auto gpipe = grads_of(Kind::kGPipe, world->world_group());
+  // Ranks 0 and 1 hold stages {0, 2} and {1, 3}: ranks 0, 2 and 1, 3 of GPipe.
+  std::map<std::string, at::Tensor> interleaved;
+  if (world->rank() < 2) {
+    interleaved = grads_of(Kind::kInterleaved, world->new_group("interleaved", {0, 1}));
+  }
+  // GPipe ranks 2 and 3 send their gradients to the interleaved rank holding their stage.
+  if (world->rank() >= 2) {
+    for (const auto& [name, grad] : gpipe) {
+      send(grad.contiguous(), world->rank() - 2, *world->world_group()).wait();
+    }
+    return;
+  }
+  for (const auto& [name, grad] : gpipe) {
+    EXPECT_TRUE(torch::equal(interleaved.at(name), grad)) << name;
+  }
+  for (const auto& [name, grad] : interleaved) {
+    if (gpipe.contains(name)) continue;
+    at::Tensor received = at::empty_like(grad);
+    recv(received, world->rank() + 2, *world->world_group()).wait();
+    EXPECT_TRUE(torch::equal(received, grad)) << name;
+  }
+}
+
+}  // namespace
+}  // namespace hp
