@@ -96,9 +96,10 @@ std::string chunk_and_microbatch(const PipelineAction& action) {
   return std::to_string(action.chunk) + "." + std::to_string(action.microbatch);
 }
 
-// A trace event of `action` ("pp_forward begin 0.2"), when tracing.
+// A trace event of `action` ("pp_recv issue B0.2": the receive of that backward), when
+// tracing.
 void note(trace::Kind kind, std::string_view op, const PipelineAction& action) {
-  if (trace::enabled()) trace::record(kind, op, chunk_and_microbatch(action));
+  if (trace::enabled()) trace::record(kind, op, to_string(action));
 }
 
 // One step of a rank's actions: the microbatches' inputs and outputs kept for backward,
@@ -161,12 +162,14 @@ class StepRun {
     }
   }
 
-  void run(const PipelineAction& action) {
+  // Runs `action` once what it receives is here; the receive of `next` (null: none) goes
+  // out before it computes.
+  void run(const PipelineAction& action, const PipelineAction* next) {
     post_receive(action);
     if (action.kind == PipelineAction::kForward) {
-      forward(action);
+      forward(action, next);
     } else {
-      backward(action);
+      backward(action, next);
     }
   }
 
@@ -242,7 +245,7 @@ class StepRun {
     sends_.emplace_back(tensor, send(tensor, dst, group_, message_tag));
   }
 
-  void forward(const PipelineAction& action) {
+  void forward(const PipelineAction& action, const PipelineAction* next) {
     Microbatch& mb = at(action);
     const PipelineStage& chunk = chunks_[action.chunk];
     if (is_first(action.chunk)) {
@@ -251,6 +254,7 @@ class StepRun {
       receive_input(action);
       mb.input.requires_grad_(true);  // its gradient is sent back
     }
+    if (next) post_receive(*next);
     note(trace::Kind::kBegin, "pp_forward", action);
     mb.output = chunk.forward(mb.input);
     note(trace::Kind::kEnd, "pp_forward", action);
@@ -284,18 +288,19 @@ class StepRun {
             tag(Message::kActivation, stage(action.chunk), action.microbatch), action);
   }
 
-  void backward(const PipelineAction& action) {
+  void backward(const PipelineAction& action, const PipelineAction* next) {
     Microbatch& mb = at(action);
     PipelineStage& chunk = chunks_[action.chunk];
     // Gradients are reduced in the chunk's last backward of the step.
     if (chunk.fsdp)
       chunk.fsdp->set_requires_gradient_sync(++backwards_[action.chunk] == microbatches_);
     if (is_last(action.chunk)) {
+      if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
       mb.loss.backward();
     } else {
-      post_receive(action);
       wait_received(action);
+      if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
       torch::autograd::backward({mb.output}, {mb.output_grad});
     }
@@ -355,9 +360,7 @@ PipelineStepResult PipelineSchedule::step(const at::Tensor& input, const at::Ten
   StepRun run(chunks_, microbatches_, loss_fn_);
   run.set_batches(input, target);
   for (size_t i = 0; i < actions_.size(); ++i) {
-    // The next action's receive goes out before this one computes.
-    if (i + 1 < actions_.size()) run.post_receive(actions_[i + 1]);
-    run.run(actions_[i]);
+    run.run(actions_[i], i + 1 < actions_.size() ? &actions_[i + 1] : nullptr);
   }
   return run.finish();
 }

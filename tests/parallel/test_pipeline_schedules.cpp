@@ -105,6 +105,7 @@ Reference reference_step(Mlp& whole, int64_t stages, const at::Tensor& x, const 
 // This rank's stages under `kind`: one, or (interleaved) two, stage v*S + rank being chunk v.
 struct RankStages {
   std::vector<Stage> modules;
+  std::vector<std::optional<FSDPModule>> fsdp;  // per chunk, when fully_shard-ed
   std::unique_ptr<PipelineSchedule> schedule;
 };
 
@@ -124,6 +125,7 @@ RankStages build(Kind kind, Mlp& whole, const GroupPtr& pp, int64_t microbatches
       part.forward = [sharded](const at::Tensor& x) mutable { return sharded(x); };
     }
     result.modules.push_back(module);
+    result.fsdp.push_back(part.fsdp);
     parts.push_back(std::move(part));
   }
   if (kind == Kind::kGPipe) {
@@ -142,9 +144,11 @@ RankStages build(Kind kind, Mlp& whole, const GroupPtr& pp, int64_t microbatches
 // This rank's gradients, named as the whole model names them (whole tensors).
 std::map<std::string, at::Tensor> stage_grads(RankStages& stages) {
   std::map<std::string, at::Tensor> grads;
-  for (auto& module : stages.modules) {
+  for (size_t v = 0; v < stages.modules.size(); ++v) {
+    Stage& module = stages.modules[v];
     for (const auto& item : module->named_parameters()) {
-      grads[module->whole_name(item.key())] = item.value().grad().clone();
+      grads[module->whole_name(item.key())] =
+          stages.fsdp[v] ? stages.fsdp[v]->full_grad(item.key()) : item.value().grad().clone();
     }
   }
   return grads;
@@ -243,6 +247,109 @@ HP_DIST_TEST(PipelineSchedules, InterleavedIsBitwiseEqualToGPipeOnTwiceTheRanks,
     at::Tensor received = at::empty_like(grad);
     recv(received, world->rank() + 2, *world->world_group()).wait();
     EXPECT_TRUE(torch::equal(received, grad)) << name;
+  }
+}
+
+// 2 stages x 2 fully_shard ranks each (mesh {pp 2, dp_shard 2}): 1F1B and interleaved
+// against the reference on the global batch, one reduce-scatter per chunk and step.
+HP_DIST_TEST(PipelineSchedules, WithTwoFsdpRanksPerStage, 4) {
+  auto world = testing::world();
+  DeviceMesh mesh(world, {{"pp", 2}, {"dp_shard", 2}});
+  const int64_t dp = mesh.coordinate("dp_shard");
+  const GroupPtr pp = mesh.group("pp");
+  const bool first = pp->rank() == 0, last = pp->rank() == 1;
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  for (Kind kind : {Kind::kOneFOneB, Kind::kInterleaved}) {
+    SCOPED_TRACE(name_of(kind));
+    const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1;
+    torch::manual_seed(42);
+    Mlp whole(kIn, kDim, kHidden, kOut, chunks * 2 * kBlocksPerStage);
+    RankStages mine = build(kind, whole, pp, /*microbatches=*/2, mesh.slice({"dp_shard"}));
+    const Reference reference = reference_step(whole, chunks * 2, x, y);
+    trace::start();
+    const PipelineStepResult result =
+        mine.schedule->step(first ? testing::local_batch(x, dp, 2) : at::Tensor(),
+                            last ? testing::local_batch(y, dp, 2) : at::Tensor());
+    int64_t reduce_scatters = 0;
+    for (const auto& event : trace::stop()) {
+      reduce_scatters += trace::describe(event).starts_with("RS issue");
+    }
+    EXPECT_EQ(reduce_scatters, chunks) << "one reduction per chunk and step";
+    at::Tensor loss = last ? result.loss : at::zeros({});
+    loss = testing::mean_over_ranks(loss) * 2;  // the last stage's 2 of 4 ranks hold losses
+    EXPECT_NEAR(loss.item<double>(), reference.loss.item<double>(), 1e-5) << "loss";
+    for (const auto& [name, grad] : stage_grads(mine)) {
+      EXPECT_TRUE(torch::allclose(grad, reference.grads.at(name), 0, 1e-5)) << name;
+    }
+  }
+}
+
+std::vector<std::string> names_of(const std::vector<PipelineAction>& actions) {
+  std::vector<std::string> names;
+  for (const auto& action : actions) names.push_back(to_string(action));
+  return names;
+}
+
+// A traced step on 4 stages runs each rank's table, which for 1F1B is the textbook one;
+// every receive (but a chunk's first, which waits for the activation's shape) is posted
+// before the action ahead of its own computes.
+HP_DIST_TEST(PipelineSchedules, ATracedStepRunsTheTableWithReceivesPostedAhead, 4) {
+  auto world = testing::world();
+  const GroupPtr pp = world->world_group();
+  const int64_t rank = pp->rank();
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  const std::vector<std::vector<std::string>> one_f_one_b = {
+      {"F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4", "B0.1", "F0.5", "B0.2", "F0.6", "B0.3",
+       "F0.7", "B0.4", "B0.5", "B0.6", "B0.7"},
+      {"F0.0", "F0.1", "F0.2", "B0.0", "F0.3", "B0.1", "F0.4", "B0.2", "F0.5", "B0.3", "F0.6",
+       "B0.4", "F0.7", "B0.5", "B0.6", "B0.7"},
+      {"F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "F0.4", "B0.3", "F0.5", "B0.4",
+       "F0.6", "B0.5", "F0.7", "B0.6", "B0.7"},
+      {"F0.0", "B0.0", "F0.1", "B0.1", "F0.2", "B0.2", "F0.3", "B0.3", "F0.4", "B0.4", "F0.5",
+       "B0.5", "F0.6", "B0.6", "F0.7", "B0.7"}};
+  for (Kind kind : {Kind::kOneFOneB, Kind::kInterleaved}) {
+    SCOPED_TRACE(name_of(kind));
+    const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1;
+    torch::manual_seed(42);
+    Mlp whole(kIn, kDim, kHidden, kOut, chunks * 4 * kBlocksPerStage);
+    RankStages mine = build(kind, whole, pp, /*microbatches=*/8);
+    const std::vector<std::string> table = names_of(mine.schedule->actions());
+    if (kind == Kind::kOneFOneB) EXPECT_EQ(table, one_f_one_b[rank]);
+    EXPECT_EQ(table.size(), 16u * chunks);
+    trace::start();
+    mine.schedule->step(rank == 0 ? x : at::Tensor(), rank == 3 ? y : at::Tensor());
+    std::vector<std::string> ran;
+    std::map<std::string, size_t> posted, began;  // action -> its event's index
+    const auto events = trace::stop();
+    for (size_t i = 0; i < events.size(); ++i) {
+      const std::string event = trace::describe(events[i]);
+      const std::string action = event.substr(event.rfind(' ') + 1);
+      if (event.starts_with("pp_forward begin ") || event.starts_with("pp_backward begin ")) {
+        ran.push_back(action);
+        began[action] = i;
+      }
+      if (event.starts_with("pp_recv issue ")) posted.emplace(action, i);
+    }
+    EXPECT_EQ(ran, table);
+    size_t receives = 0;
+    for (size_t i = 0; i < table.size(); ++i) {
+      const PipelineAction& action = mine.schedule->actions()[i];
+      const int64_t stage = action.chunk * 4 + rank;
+      const bool receives_one =
+          action.kind == PipelineAction::kForward ? stage > 0 : stage < chunks * 4 - 1;
+      receives += receives_one;
+      EXPECT_EQ(posted.contains(table[i]), receives_one) << table[i];
+      // A chunk's first forward waits for the activation's shape before it can post.
+      if (!receives_one || i == 0 ||
+          (action.kind == PipelineAction::kForward && action.microbatch == 0)) {
+        continue;
+      }
+      EXPECT_LT(posted[table[i]], began[table[i - 1]])
+          << table[i] << "'s receive was not posted before " << table[i - 1] << " computed";
+    }
+    EXPECT_GT(receives, 0u);
   }
 }
 
