@@ -1,7 +1,7 @@
 #pragma once
-// Sharded checkpoints saved in the background: save() copies this rank's pieces to host
-// staging memory and returns; a thread of the saver writes them and commits the directory
-// (the protocol of save_sharded_checkpoint: atomic, every rank learns of a failure) while
+// Sharded checkpoints saved in the background: save() takes a snapshot of this rank's
+// pieces and returns; a thread of the saver writes them and commits the directory (the
+// protocol of save_sharded_checkpoint: atomic, every rank learns of a failure) while
 // training goes on. Ranks agree over a group of their own, made at the first save, so the
 // writer never orders its collectives against the training's.
 //
@@ -13,8 +13,7 @@
 //   saver.wait();  // before exit: the last save is on disk, or every rank throws
 //
 // One save is in flight at a time: save() first waits for the one before (and throws its
-// failure). Staging memory is one snapshot of this rank's pieces, reused by the next save
-// when the shapes match.
+// failure).
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -30,9 +29,21 @@ namespace detail {
 class AsyncCheckpointWriter;
 }
 
+// How save() takes its snapshot.
+enum class CheckpointStaging {
+  // Pieces on the CPU: the process forks a writer, whose copy-on-write view of memory is
+  // the snapshot. save() blocks for the fork (milliseconds); while the write runs, the
+  // kernel copies each page training writes to (at most this rank's pieces, once).
+  // Pieces on a GPU: as kCopy.
+  kFork,
+  // Copies the pieces into host staging memory (pinned for GPU tensors), kept and reused
+  // by the next save when the shapes match. save() blocks for the copy.
+  kCopy,
+};
+
 class AsyncCheckpointSaver {
  public:
-  AsyncCheckpointSaver();
+  explicit AsyncCheckpointSaver(CheckpointStaging staging = CheckpointStaging::kFork);
   // Waits for the save in flight; a failure it had is reported with TORCH_WARN (call wait()
   // to have it thrown).
   ~AsyncCheckpointSaver();

@@ -1,6 +1,6 @@
 // Sharded checkpoints written by a thread of their own while training goes on: the calling
-// thread stages this rank's pieces in host memory; the writer thread runs the save's
-// protocol over a group of its own.
+// thread takes the snapshot (a forked writer, or a copy in host memory); the writer thread
+// runs the save's protocol over a group of its own.
 #include "hyperparallel/async_checkpoint.h"
 
 #include <ATen/ATen.h>
@@ -15,6 +15,7 @@
 
 #include "../distributed/error_message.h"
 #include "checkpoint_writing.h"
+#include "forked_writer.h"
 
 namespace hp {
 namespace detail {
@@ -23,10 +24,63 @@ constexpr const char* kCaller = "AsyncCheckpointSaver::save";
 
 class AsyncCheckpointWriter {
  public:
+  explicit AsyncCheckpointWriter(CheckpointStaging staging) : staging_(staging) {}
   ~AsyncCheckpointWriter() { finish(); }
 
+  // The group the writer agrees over: all ranks of `world`, made once (null: alone).
+  const Group* group_for(const std::shared_ptr<World>& world) {
+    if (!world || world->size() == 1) return nullptr;
+    if (!group_ || world_.lock() != world) {
+      // Savers are made in the same order on every rank, so the names match.
+      static std::atomic<int64_t> groups_made{0};
+      std::vector<int64_t> ranks(world->size());
+      std::iota(ranks.begin(), ranks.end(), 0);
+      group_ = world->new_group("checkpoint_writer_" + std::to_string(groups_made++), ranks);
+      world_ = world;
+    }
+    return group_.get();
+  }
+
+  // Takes the snapshot of `pieces` and starts writing it into `dir`.
+  void start(const std::string& dir, std::vector<RankPiece> pieces, const Group* group) {
+    const bool on_cpu = std::all_of(pieces.begin(), pieces.end(),
+                                    [](const RankPiece& piece) { return piece.tensor.is_cpu(); });
+    std::function<void(const std::string&)> write_this_rank;
+    if (staging_ == CheckpointStaging::kFork && on_cpu) {
+      // Contiguous here: the child must not run kernels (their thread pools do not survive
+      // a fork).
+      for (RankPiece& piece : pieces) piece.tensor = piece.tensor.contiguous();
+      const std::string path = staged_rank_file(dir, group);
+      forked_ = std::make_unique<ForkedWriter>(
+          [path, pieces = std::move(pieces)] { write_rank_file(path, pieces); }, path);
+      write_this_rank = [this](const std::string&) { forked_->write(); };
+    } else {
+      stage(pieces);
+      write_this_rank = [this](const std::string& path) { write_rank_file(path, staged_); };
+    }
+    busy_ = true;
+    thread_ = std::thread([this, dir, group, write_this_rank = std::move(write_this_rank)] {
+      try {
+        write_checkpoint(dir, write_this_rank, group, kCaller);
+      } catch (const std::exception&) {
+        error_ = std::current_exception();
+      }
+      forked_.reset();  // a writer never let write (an earlier step failed) exits
+      busy_ = false;
+    });
+  }
+
+  // Waits for the save in flight; its failure, if any (once).
+  std::exception_ptr finish() {
+    if (thread_.joinable()) thread_.join();
+    return std::exchange(error_, nullptr);
+  }
+
+  bool busy() const { return busy_; }
+
+ private:
   // Copies `pieces` into the staging memory, reusing the buffers of the previous save
-  // where shape and dtype match. Host memory: pinned when the pieces are on a GPU.
+  // where shape and dtype match. Pinned when the pieces are on a GPU.
   void stage(const std::vector<RankPiece>& pieces) {
     staged_.resize(pieces.size());
     for (size_t i = 0; i < pieces.size(); ++i) {
@@ -45,42 +99,9 @@ class AsyncCheckpointWriter {
     }
   }
 
-  // The group the writer agrees over: all ranks of `world`, made once (null: alone).
-  const Group* group_for(const std::shared_ptr<World>& world) {
-    if (!world || world->size() == 1) return nullptr;
-    if (!group_ || world_.lock() != world) {
-      // Savers are made in the same order on every rank, so the names match.
-      static std::atomic<int64_t> groups_made{0};
-      std::vector<int64_t> ranks(world->size());
-      std::iota(ranks.begin(), ranks.end(), 0);
-      group_ = world->new_group("checkpoint_writer_" + std::to_string(groups_made++), ranks);
-      world_ = world;
-    }
-    return group_.get();
-  }
-
-  void start(std::string dir, const Group* group) {
-    busy_ = true;
-    thread_ = std::thread([this, dir = std::move(dir), group] {
-      try {
-        write_checkpoint(dir, staged_, group, kCaller);
-      } catch (const std::exception&) {
-        error_ = std::current_exception();
-      }
-      busy_ = false;
-    });
-  }
-
-  // Waits for the save in flight; its failure, if any (once).
-  std::exception_ptr finish() {
-    if (thread_.joinable()) thread_.join();
-    return std::exchange(error_, nullptr);
-  }
-
-  bool busy() const { return busy_; }
-
- private:
+  CheckpointStaging staging_;
   std::vector<RankPiece> staged_;
+  std::unique_ptr<ForkedWriter> forked_;
   GroupPtr group_;
   std::weak_ptr<World> world_;
   std::thread thread_;
@@ -90,8 +111,8 @@ class AsyncCheckpointWriter {
 
 }  // namespace detail
 
-AsyncCheckpointSaver::AsyncCheckpointSaver()
-    : writer_(std::make_unique<detail::AsyncCheckpointWriter>()) {}
+AsyncCheckpointSaver::AsyncCheckpointSaver(CheckpointStaging staging)
+    : writer_(std::make_unique<detail::AsyncCheckpointWriter>(staging)) {}
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   if (const std::exception_ptr error = writer_->finish()) {
@@ -115,9 +136,9 @@ void AsyncCheckpointSaver::save(const std::string& dir, torch::nn::Module& model
   }
   const std::shared_ptr<World> world = detail::world_of(params, detail::kCaller);
   const Group* group = writer_->group_for(world);
-  writer_->stage(
-      detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0));
-  writer_->start(dir, group);
+  writer_->start(
+      dir, detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0),
+      group);
 }
 
 void AsyncCheckpointSaver::wait() {

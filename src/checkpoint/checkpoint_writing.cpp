@@ -138,28 +138,36 @@ std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
   return std::move(pieces.pieces);
 }
 
-void write_checkpoint(const std::string& dir, const std::vector<RankPiece>& pieces,
+void write_rank_file(const std::string& path, const std::vector<RankPiece>& pieces) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::map<std::string, PieceRecord> records;
+  for (const auto& piece : pieces) {
+    records[piece.name] = {piece.offsets, piece.whole_shape, crc32_of(piece.tensor)};
+    tensors.emplace_back(piece.name, piece.tensor);
+  }
+  std::map<std::string, std::string> metadata = dcp_metadata(records);
+  metadata.emplace(kPiecesMetadataKey, pieces_metadata(records));
+  write_safetensors(path, tensors, metadata);
+}
+
+std::string staged_rank_file(const std::string& dir, const Group* group) {
+  return dir + kStagedSuffix + "/" + rank_file(group ? group->rank() : 0);
+}
+
+void write_checkpoint(const std::string& dir,
+                      const std::function<void(const std::string&)>& write_this_rank,
                       const Group* group, const std::string& caller) {
   const int64_t rank = group ? group->rank() : 0;
   const int64_t ranks = group ? group->size() : 1;
-  const std::string staged = dir + ".partial";
+  const std::string staged = dir + kStagedSuffix;
   try {
     on_every_rank(group, caller, "preparing " + staged, [&] {
       if (rank != 0) return;
       fs::remove_all(staged);  // left by a save that did not complete
       fs::create_directories(staged);
     });
-    on_every_rank(group, caller, "writing the ranks' files into " + staged, [&] {
-      std::vector<std::pair<std::string, at::Tensor>> tensors;
-      std::map<std::string, PieceRecord> records;
-      for (const auto& piece : pieces) {
-        records[piece.name] = {piece.offsets, piece.whole_shape, crc32_of(piece.tensor)};
-        tensors.emplace_back(piece.name, piece.tensor);
-      }
-      std::map<std::string, std::string> metadata = dcp_metadata(records);
-      metadata.emplace(kPiecesMetadataKey, pieces_metadata(records));
-      write_safetensors(staged + "/" + rank_file(rank), tensors, metadata);
-    });
+    on_every_rank(group, caller, "writing the ranks' files into " + staged,
+                  [&] { write_this_rank(staged_rank_file(dir, group)); });
     on_every_rank(group, caller, "completing " + dir, [&] {
       if (rank != 0) return;
       std::vector<std::string> files;

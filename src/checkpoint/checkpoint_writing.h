@@ -45,10 +45,23 @@ std::shared_ptr<World> world_of(const std::vector<ModelParam>& params, const std
 void on_every_rank(const Group* group, const std::string& caller, const std::string& what,
                    const std::function<void()>& step);
 
-// Writes `pieces` as this rank's file of the checkpoint `dir` (group rank r writes
-// rank-<r>.safetensors), and group rank 0 commits the directory once every file is
-// complete: the atomic protocol of save_sharded_checkpoint. A collective over `group`.
-void write_checkpoint(const std::string& dir, const std::vector<RankPiece>& pieces,
+// A checkpoint is written into "<dir>.partial" and renamed to `dir` once complete.
+inline constexpr const char* kStagedSuffix = ".partial";
+
+// Writes `pieces` into the safetensors file `path` (flushed to the disk), with the piece
+// records this library reads and the DCP_SHARDING_INFO PyTorch reads.
+void write_rank_file(const std::string& path, const std::vector<RankPiece>& pieces);
+
+// Where this rank's file of the checkpoint `dir` is written (group rank r writes
+// rank-<r>.safetensors into the staged directory).
+std::string staged_rank_file(const std::string& dir, const Group* group);
+
+// The atomic protocol of save_sharded_checkpoint, a collective over `group`: group rank 0
+// makes the staged directory, then every rank writes its file there with
+// `write_this_rank(path)`, and group rank 0 commits the directory once every file is
+// complete.
+void write_checkpoint(const std::string& dir,
+                      const std::function<void(const std::string&)>& write_this_rank,
                       const Group* group, const std::string& caller);
 
 }  // namespace hp::detail

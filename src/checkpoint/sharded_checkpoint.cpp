@@ -247,9 +247,10 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
   }
   const std::shared_ptr<World> world = detail::world_of(params, caller);
   const Group* group = world ? world->world_group().get() : nullptr;
+  const std::vector<detail::RankPiece> pieces =
+      detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0);
   detail::write_checkpoint(
-      dir, detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0),
-      group, caller);
+      dir, [&](const std::string& path) { detail::write_rank_file(path, pieces); }, group, caller);
 }
 
 StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,

@@ -28,8 +28,12 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Rank 0 also writes 64 MiB of extras, so that writing takes many training steps.
-HP_DIST_TEST(AsyncCheckpoint, TrainingGoesOnWhileTheSnapshotIsWritten, 2) {
+const char* name_of(CheckpointStaging staging) {
+  return staging == CheckpointStaging::kFork ? "forked snapshot" : "staging copy";
+}
+
+// Rank 0 also writes 64 MiB of extras, so that writing takes several training steps.
+void expect_training_goes_on_while_the_snapshot_is_written(CheckpointStaging staging) {
   auto world = testing::world();
   Sharded<models::Transformer> model = sharded_transformer(42, {});
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -42,7 +46,7 @@ HP_DIST_TEST(AsyncCheckpoint, TrainingGoesOnWhileTheSnapshotIsWritten, 2) {
 
   const std::string dir = shared_dir("hp_async_checkpoint");
   const std::string checkpoint = checkpoint_dir_for_step(dir, 1);
-  AsyncCheckpointSaver saver;
+  AsyncCheckpointSaver saver(staging);
   const auto save_started = Clock::now();
   saver.save(checkpoint, *model, &opt, extra);
   const double blocked = seconds_since(save_started);
@@ -56,9 +60,10 @@ HP_DIST_TEST(AsyncCheckpoint, TrainingGoesOnWhileTheSnapshotIsWritten, 2) {
   saver.wait();
   const double written = seconds_since(save_started);
   std::printf(
-      "rank %lld: save() blocked %.3f s; written after %.3f s; %d of 5 steps ran while "
+      "rank %lld, %s: save() blocked %.3f s; written after %.3f s; %d of 5 steps ran while "
       "writing\n",
-      static_cast<long long>(world->rank()), blocked, written, steps_while_writing);
+      static_cast<long long>(world->rank()), name_of(staging), blocked, written,
+      steps_while_writing);
   if (world->rank() == 0) EXPECT_GE(steps_while_writing, 1);
   EXPECT_FALSE(saver.busy());
 
@@ -73,15 +78,22 @@ HP_DIST_TEST(AsyncCheckpoint, TrainingGoesOnWhileTheSnapshotIsWritten, 2) {
   remove_after_all_ranks(dir);
 }
 
+HP_DIST_TEST(AsyncCheckpoint, TrainingGoesOnWhileTheSnapshotIsWritten, 2) {
+  for (CheckpointStaging staging : {CheckpointStaging::kFork, CheckpointStaging::kCopy}) {
+    SCOPED_TRACE(name_of(staging));
+    expect_training_goes_on_while_the_snapshot_is_written(staging);
+  }
+}
+
 // Rank 1 may write only small files (RLIMIT_FSIZE, as on a full disk: its write fails).
-HP_DIST_TEST(AsyncCheckpoint, AFailedWriteIsReportedOnEveryRank, 2) {
+void expect_a_failed_write_reported_on_every_rank(CheckpointStaging staging) {
   auto world = testing::world();
   Sharded<models::Transformer> model = sharded_transformer(42, {});
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   train_one_step(model, opt);
   const std::string dir = shared_dir("hp_async_failed");
   const std::string first = checkpoint_dir_for_step(dir, 1);
-  AsyncCheckpointSaver saver;
+  AsyncCheckpointSaver saver(staging);
   saver.save(first, *model, &opt);
   saver.wait();
 
@@ -121,6 +133,13 @@ HP_DIST_TEST(AsyncCheckpoint, AFailedWriteIsReportedOnEveryRank, 2) {
   EXPECT_EQ(latest_checkpoint(dir), third);
   EXPECT_EQ(error_of([&] { load_sharded_checkpoint(first, *model, &opt); }), "no error");
   remove_after_all_ranks(dir);
+}
+
+HP_DIST_TEST(AsyncCheckpoint, AFailedWriteIsReportedOnEveryRank, 2) {
+  for (CheckpointStaging staging : {CheckpointStaging::kFork, CheckpointStaging::kCopy}) {
+    SCOPED_TRACE(name_of(staging));
+    expect_a_failed_write_reported_on_every_rank(staging);
+  }
 }
 
 }  // namespace
