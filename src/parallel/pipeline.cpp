@@ -194,6 +194,7 @@ class StepRun {
     at::Tensor input, output, loss;      // kept from forward for backward
     at::Tensor output_grad, input_grad;  // the boundary gradients of the step
     CommHandle received;                 // the input (forward) or output_grad (backward)
+    CommHandle output_sent;              // kept until the gradient for it comes back
   };
   struct Shape {
     bool known = false;
@@ -239,10 +240,10 @@ class StepRun {
     note(trace::Kind::kWaitEnd, "pp_recv", action);
   }
 
-  void send_to(const at::Tensor& tensor, int64_t dst, int message_tag,
-               const PipelineAction& action) {
+  CommHandle send_to(const at::Tensor& tensor, int64_t dst, int message_tag,
+                     const PipelineAction& action) {
     note(trace::Kind::kIssue, "pp_send", action);
-    sends_.emplace_back(tensor, send(tensor, dst, group_, message_tag));
+    return send(tensor, dst, group_, message_tag);
   }
 
   void forward(const PipelineAction& action, const PipelineAction* next) {
@@ -270,8 +271,9 @@ class StepRun {
       sent_shape.known = true;
       sent_shape.sizes = activation.sizes().vec();
       sent_shape.dtype = activation.scalar_type();
-      send_to(shape_record(activation), next_rank(), tag(Message::kShape, stage(action.chunk), 0),
-              action);
+      const at::Tensor record = shape_record(activation);
+      sends_.emplace_back(record, send_to(record, next_rank(),
+                                          tag(Message::kShape, stage(action.chunk), 0), action));
     } else if (activation.sizes() != c10::IntArrayRef(sent_shape.sizes) ||
                activation.scalar_type() != sent_shape.dtype) {
       C10_THROW_ERROR(ValueError,
@@ -284,8 +286,9 @@ class StepRun {
                           c10::toString(sent_shape.dtype) +
                           "); the microbatches of a step must give outputs of one shape");
     }
-    send_to(activation, next_rank(),
-            tag(Message::kActivation, stage(action.chunk), action.microbatch), action);
+    mb.output_sent =
+        send_to(activation, next_rank(),
+                tag(Message::kActivation, stage(action.chunk), action.microbatch), action);
   }
 
   void backward(const PipelineAction& action, const PipelineAction* next) {
@@ -300,6 +303,9 @@ class StepRun {
       mb.loss.backward();
     } else {
       wait_received(action);
+      // The next stage has its output: a gradient came back from it.
+      mb.output_sent.wait();
+      mb.output_sent = CommHandle();
       if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
       torch::autograd::backward({mb.output}, {mb.output_grad});
@@ -308,8 +314,10 @@ class StepRun {
     if (!is_first(action.chunk)) {
       mb.input_grad = mb.input.grad();
       if (!mb.input_grad.defined()) mb.input_grad = at::zeros_like(mb.input);  // input unused
-      send_to(mb.input_grad, previous_rank(),
-              tag(Message::kGradient, stage(action.chunk) - 1, action.microbatch), action);
+      sends_.emplace_back(
+          mb.input_grad,
+          send_to(mb.input_grad, previous_rank(),
+                  tag(Message::kGradient, stage(action.chunk) - 1, action.microbatch), action));
     }
     // What forward kept is no longer needed.
     mb.input = at::Tensor();
@@ -327,7 +335,7 @@ class StepRun {
   std::vector<Shape> shapes_;                             // of the activations each chunk receives
   std::map<int64_t, Shape> sent_shapes_;                  // of those each chunk sends
   std::map<int64_t, int64_t> backwards_;                  // per chunk, run so far
-  std::vector<std::pair<at::Tensor, CommHandle>> sends_;  // tensors kept until sent
+  std::vector<std::pair<at::Tensor, CommHandle>> sends_;  // the others, waited at the end
 };
 
 }  // namespace

@@ -102,6 +102,18 @@ Reference reference_step(Mlp& whole, int64_t stages, const at::Tensor& x, const 
   return result;
 }
 
+std::unique_ptr<PipelineSchedule> make_schedule(Kind kind, std::vector<PipelineStage> parts,
+                                                int64_t microbatches) {
+  if (kind == Kind::kGPipe) {
+    return std::make_unique<GPipeSchedule>(parts.front(), microbatches, testing::mse_loss);
+  }
+  if (kind == Kind::kOneFOneB) {
+    return std::make_unique<OneFOneBSchedule>(parts.front(), microbatches, testing::mse_loss);
+  }
+  return std::make_unique<InterleavedOneFOneBSchedule>(std::move(parts), microbatches,
+                                                       testing::mse_loss);
+}
+
 // This rank's stages under `kind`: one, or (interleaved) two, stage v*S + rank being chunk v.
 struct RankStages {
   std::vector<Stage> modules;
@@ -128,16 +140,7 @@ RankStages build(Kind kind, Mlp& whole, const GroupPtr& pp, int64_t microbatches
     result.fsdp.push_back(part.fsdp);
     parts.push_back(std::move(part));
   }
-  if (kind == Kind::kGPipe) {
-    result.schedule =
-        std::make_unique<GPipeSchedule>(parts.front(), microbatches, testing::mse_loss);
-  } else if (kind == Kind::kOneFOneB) {
-    result.schedule =
-        std::make_unique<OneFOneBSchedule>(parts.front(), microbatches, testing::mse_loss);
-  } else {
-    result.schedule = std::make_unique<InterleavedOneFOneBSchedule>(std::move(parts), microbatches,
-                                                                    testing::mse_loss);
-  }
+  result.schedule = make_schedule(kind, std::move(parts), microbatches);
   return result;
 }
 
@@ -351,6 +354,58 @@ HP_DIST_TEST(PipelineSchedules, ATracedStepRunsTheTableWithReceivesPostedAhead, 
     }
     EXPECT_GT(receives, 0u);
   }
+}
+
+// The bytes a stage holds when each forward starts (counting allocator): with S = 2 stages
+// and M = 8 microbatches, 1F1B holds the activations of S-1-r microbatches on rank r,
+// GPipe of up to M-1 (and then M).
+HP_DIST_TEST(PipelineSchedules, OneFOneBHoldsTheActivationsOfItsWarmUpOnly, 2) {
+  auto& probe = testing::CpuMemoryProbe::installed();
+  auto world = testing::world();
+  const GroupPtr pp = world->world_group();
+  const int64_t rank = pp->rank(), ranks = pp->size();
+  constexpr int64_t kMicrobatches = 8;
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({32, kIn}), y = torch::randn({32, kOut});
+  const auto held_at_forwards = [&](Kind kind) {
+    torch::manual_seed(42);
+    Mlp whole(kIn, kDim, kHidden, kOut, ranks * kBlocksPerStage);
+    Stage module(whole, rank, ranks);
+    std::vector<int64_t> samples;
+    int64_t baseline = 0;
+    PipelineStage part{.forward =
+                           [&, module](const at::Tensor& input) mutable {
+                             samples.push_back(probe.live() - baseline);
+                             return module(input);
+                           },
+                       .group = pp};
+    auto schedule = make_schedule(kind, {part}, kMicrobatches);
+    // A first step makes the gradients, which the measured one accumulates into.
+    schedule->step(rank == 0 ? x : at::Tensor(), rank == 1 ? y : at::Tensor());
+    samples.clear();
+    baseline = probe.settled_live();
+    schedule->step(rank == 0 ? x : at::Tensor(), rank == 1 ? y : at::Tensor());
+    return samples;
+  };
+  const std::vector<int64_t> gpipe = held_at_forwards(Kind::kGPipe);
+  const std::vector<int64_t> one_f_one_b = held_at_forwards(Kind::kOneFOneB);
+  ASSERT_EQ(gpipe.size(), static_cast<size_t>(kMicrobatches));
+  ASSERT_EQ(one_f_one_b.size(), static_cast<size_t>(kMicrobatches));
+  // One microbatch's activations: what GPipe holds more at its second forward than at its
+  // first.
+  const int64_t one = gpipe[1] - gpipe[0];
+  const int64_t warmup = ranks - 1 - rank;
+  const int64_t held = *std::max_element(one_f_one_b.begin(), one_f_one_b.end());
+  std::printf(
+      "rank %lld: one microbatch %lld bytes; held at a forward: GPipe up to %lld, 1F1B up "
+      "to %lld (%lld microbatches of warm-up)\n",
+      static_cast<long long>(rank), static_cast<long long>(one),
+      static_cast<long long>(gpipe.back()), static_cast<long long>(held),
+      static_cast<long long>(warmup));
+  ASSERT_GT(one, 1000) << "the activations dominate the bytes held";
+  EXPECT_GE(gpipe.back() - gpipe.front(), (kMicrobatches - 1) * one * 9 / 10);
+  // The boundary gradients a step returns stay too: a few hundred bytes.
+  EXPECT_LE(held - one_f_one_b.front(), warmup * one + one / 2);
 }
 
 }  // namespace
