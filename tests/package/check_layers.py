@@ -19,7 +19,7 @@ PUBLIC = {
     "detail/sharded_forward": "fsdp",
     "tensor_parallel": "parallel", "context_parallel": "parallel", "expert_parallel": "parallel",
     "pipeline": "parallel", "materialize": "materialize", "state_dict": "checkpoint",
-    "sharded_checkpoint": "checkpoint", "clip_grad": "clip_grad",
+    "sharded_checkpoint": "checkpoint", "async_checkpoint": "checkpoint", "clip_grad": "clip_grad",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
