@@ -3,7 +3,9 @@
 // context and expert parallelism: examples/trainer/parallel_layout.h) on text files:
 // training loss and throughput as it goes,
 // validation loss and perplexity every so often, a generated sample at the end. Exits 0
-// only if the final validation loss is below the corpus's unigram baseline.
+// only if the final validation loss is below the corpus's unigram baseline. SIGTERM or
+// SIGINT (a preemption) stops every rank after the same step, with a last-words checkpoint
+// when --save is given, and exits with 128 + the signal (examples/trainer/preemption.h).
 //   hp-run -n 4 -- build/examples/train_decoder --data docs [options] (--help)
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -30,6 +32,7 @@
 #include "examples/trainer/loss_curve.h"
 #include "examples/trainer/metrics_log.h"
 #include "examples/trainer/parallel_layout.h"
+#include "examples/trainer/preemption.h"
 #include "examples/trainer/text_batches.h"
 #include "examples/trainer/text_corpus.h"
 #include "examples/trainer/train_options.h"
@@ -452,6 +455,10 @@ int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& opt
     const hp::StateDict state = hp::load_sharded_checkpoint(from, *model, &optimizer);
     done = state["step"].item<int64_t>();
     restore_rng(state["rng_states"], rank);
+    if (const at::Tensor* signal = state.find("last_words"); signal != nullptr && rank == 0) {
+      std::printf("%s is the last-words checkpoint of a run stopped by %s\n", from.c_str(),
+                  hp::trainer::signal_name(signal->item<int>()).c_str());
+    }
   } else if (std::filesystem::exists(from + "/model.pt")) {
     // An --export: both files stream, one tensor read at a time.
     hp::load_full_checkpoint(*model, from + "/model.pt");
@@ -472,11 +479,21 @@ int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& opt
   return done;
 }
 
+// The checkpoint after `step`. `last_words`: the signal that preempted the run, kept in the
+// checkpoint as "last_words" (0: a regular save; a resumed run treats both alike).
 void save(const TrainOptions& o, int64_t step, Decoder& model, torch::optim::AdamW& optimizer,
-          const Job& job) {
+          const Job& job, int last_words = 0) {
   const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
-  hp::save_sharded_checkpoint(dir, *model, &optimizer, run_state(step, job.all(), job.ranks));
-  if (job.rank == 0) std::printf("saved %s\n", dir.c_str());
+  hp::StateDict state = run_state(step, job.all(), job.ranks);
+  if (last_words != 0) state.insert("last_words", at::scalar_tensor(last_words, at::kLong));
+  hp::save_sharded_checkpoint(dir, *model, &optimizer, state);
+  if (job.rank != 0) return;
+  if (last_words == 0) {
+    std::printf("saved %s\n", dir.c_str());
+  } else {
+    std::printf("preempted: last-words checkpoint at step %lld in %s\n",
+                static_cast<long long>(step), dir.c_str());
+  }
 }
 
 // Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
@@ -703,6 +720,25 @@ void print_summary(const TrainOptions& o, const Job& job, const TextData& data,
 
 // ---- The run ---------------------------------------------------------------------------
 
+// The end of a run preempted after `step` (its last-words checkpoint, if any, written): 128 +
+// the signal, as a shell, Kubernetes or Slurm report a process the signal ended, so that a
+// restart policy sees "terminated, not done" and `--resume auto` continues.
+int stop_preempted(const TrainOptions& o, int signal, int64_t step, const Job& job,
+                   const Progress& progress) {
+  progress.finish();
+  const int status = 128 + signal;
+  if (job.rank == 0) {
+    std::printf("preempted by %s: stopped after step %lld%s; exit status %d\n",
+                hp::trainer::signal_name(signal).c_str(), static_cast<long long>(step),
+                o.save.empty() ? " without a checkpoint (no --save)" : "", status);
+    std::fflush(stdout);
+  }
+  // Rank 0 prints before any rank exits: a launcher stops the others at the first exit.
+  hp::barrier(job.all()).wait();
+  job.world->shutdown();
+  return status;
+}
+
 int train(const TrainOptions& o, const std::string& resolved) {
   const Job job = join_job(o);
   const hp::trainer::ParallelLayout& layout = job.layout;
@@ -725,6 +761,10 @@ int train(const TrainOptions& o, const std::string& resolved) {
   summary.matmul_rate = measured_matmul_rate(job.all());
   Progress progress(o, job, done, data.unigram);  // its clock starts here
   std::optional<double> validation;               // the latest
+  // From here on SIGTERM and SIGINT stop the run after a step (before, they end it at
+  // once: there is nothing to save yet).
+  const hp::trainer::PreemptionWatch preemption(
+      std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.grace_period * 1000))));
 
   for (int64_t step = done + 1; step <= o.steps; ++step) {
     fail_if_due(fault, step, job.rank, o.fail_by_kill);
@@ -737,17 +777,26 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
     at::Tensor mean_loss = result.loss.detach().clone();
     hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
-    if (o.save_every > 0 && step % o.save_every == 0 && step != o.steps) {
+    // A signal on any rank stops every rank after this same step: the checkpoint first,
+    // while the grace period lasts. (With an asynchronous save in flight, wait for it
+    // before this one: AsyncCheckpointSaver::wait.)
+    const int preempted_by = preemption.agreed_signal(job.all());
+    if (preempted_by != 0 && !o.save.empty()) {
+      save(o, step, model, optimizer, job, preempted_by);
+    } else if (preempted_by == 0 && o.save_every > 0 && step % o.save_every == 0 &&
+               step != o.steps) {
       save(o, step, model, optimizer, job);
     }
-    if (!progress.logs(step) && !progress.evaluates(step)) continue;
-    hp::trainer::MetricsRecord record =
-        progress.measure(step, mean_loss.item<double>(), result.grad_norm);
-    if (progress.evaluates(step)) {
-      record.validation_loss = validation =
-          validation_loss(model, data.validation, layout, job.all());
+    if (progress.logs(step) || progress.evaluates(step)) {
+      hp::trainer::MetricsRecord record =
+          progress.measure(step, mean_loss.item<double>(), result.grad_norm);
+      if (progress.evaluates(step)) {
+        record.validation_loss = validation =
+            validation_loss(model, data.validation, layout, job.all());
+      }
+      progress.report(record);
     }
-    progress.report(record);
+    if (preempted_by != 0) return stop_preempted(o, preempted_by, step, job, progress);
   }
   progress.finish();
 

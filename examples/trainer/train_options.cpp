@@ -193,6 +193,14 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
                  "when there is none); PATH: from that sharded checkpoint or --export directory, "
                  "on any --mesh")
       ->group("Checkpoints");
+  app.add_option("--grace-period", o.grace_period,
+                 "on SIGTERM or SIGINT (a preemption) the ranks finish their step, save a "
+                 "last-words checkpoint with --save and exit with 128 + the signal (143 for "
+                 "SIGTERM); this many seconds after the signal they exit at once, saved or "
+                 "not (keep it below the launcher's: hp-run --grace-period, 30 s)")
+      ->check(kFinite)
+      ->check(CLI::Range(0.001, 1e7))
+      ->group("Checkpoints");
   app.add_option("--export", o.export_dir,
                  "at the end, write DIR/model.pt and DIR/optim.pt (whole tensors, for Python's "
                  "torch.load)")

@@ -50,6 +50,9 @@ struct TrainOptions {
   int64_t save_every = 0;
   std::string resume;
   std::string export_dir;
+  // Seconds from SIGTERM / SIGINT to an exit that no longer waits for the last-words
+  // checkpoint; below hp-run's --grace-period (30 s), after which the launcher SIGKILLs.
+  double grace_period = 25;
   // Fault injection: in attempt k (TORCHELASTIC_RESTART_COUNT) rank fail_ranks[k] (default:
   // the last) fails before step fail_at_steps[k], by an exception or, with fail_by_kill, by
   // SIGKILL.

@@ -1,6 +1,7 @@
 // hp-run: starts N local ranks of a program with a torchrun-compatible environment and
 // stops all of them as soon as one fails (see launcher.h); with
-// --max-restarts, starts all of them again after a failure.
+// --max-restarts, starts all of them again after a failure. SIGINT, SIGTERM and SIGHUP
+// are passed on to the ranks, which get --grace-period seconds to exit.
 
 #include <c10/util/Exception.h>
 
@@ -32,6 +33,10 @@ constexpr const char* kUsage = "usage: hp-run [OPTIONS] [--] PROGRAM [ARGS...]";
 constexpr const char* kFooter =
     "PROGRAM and its arguments follow the options (after \"--\", or from the first argument "
     "that is not an option) and pass to every rank untouched.\n\n"
+    "SIGINT, SIGTERM and SIGHUP are passed on to every rank, which then has --grace-period "
+    "seconds to exit (e.g. to save a checkpoint) before SIGKILL; a second signal kills the "
+    "ranks at once. Once they are gone hp-run dies of that signal itself (a shell shows "
+    "128+N: 143 for SIGTERM, 130 for SIGINT) and restarts nothing.\n\n"
     "exit status: 0 when every rank succeeds, else the exit status of the first rank that "
     "failed (128+N for signal N), 124 on timeout, 2 on a usage error.";
 
@@ -39,6 +44,7 @@ struct Args {
   hp::LaunchOptions options;
   int max_restarts = 0;
   double timeout_s = 0;
+  double grace_period_s = std::chrono::duration<double>(hp::LaunchOptions{}.grace_period).count();
   bool help = false;
   std::string help_text;
 };
@@ -58,17 +64,24 @@ Args parse_args(int argc, char** argv) {
                  "each attempt sees TORCHELASTIC_RESTART_COUNT (0, 1, ...) as under torchrun, "
                  "so a program can resume from its newest checkpoint")
       ->check(CLI::Range(0, 1 << 16));
-  // The upper bound keeps the millisecond count far from overflow.
+  const CLI::Validator finite(
+      [](std::string& text) {
+        return std::isfinite(std::strtod(text.c_str(), nullptr))
+                   ? std::string()
+                   : "must be a finite number, got '" + text + "'";
+      },
+      "FINITE");
+  // The upper bounds keep the millisecond counts far from overflow.
   app.add_option("--timeout", args.timeout_s,
                  "kill all ranks after this many seconds, per attempt (a timeout is not "
                  "restarted); 0: no limit")
-      ->check(CLI::Validator(
-          [](std::string& text) {
-            return std::isfinite(std::strtod(text.c_str(), nullptr))
-                       ? std::string()
-                       : "must be a finite number, got '" + text + "'";
-          },
-          "FINITE"))
+      ->check(finite)
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--grace-period,--grace_period", args.grace_period_s,
+                 "seconds the ranks have to exit after a SIGINT/SIGTERM/SIGHUP passed on to "
+                 "them (a preempted trainer saves its last checkpoint meanwhile) before "
+                 "SIGKILL; as Kubernetes' default termination grace period")
+      ->check(finite)
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--master-addr,--master_addr", args.options.master_addr, "rendezvous address")
       ->check([](const std::string& addr) { return addr.empty() ? "is empty" : ""; });
@@ -96,6 +109,8 @@ Args parse_args(int argc, char** argv) {
     args.options.timeout =
         std::chrono::milliseconds(static_cast<long long>(std::ceil(args.timeout_s * 1000)));
   }
+  args.options.grace_period =
+      std::chrono::milliseconds(static_cast<long long>(std::ceil(args.grace_period_s * 1000)));
   return args;
 }
 
@@ -134,7 +149,10 @@ int main(int argc, char** argv) {
       args.options.extra_env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart);
       const hp::LaunchResult result = hp::launch_local(args.options);
       report_failure(result, args.timeout_s);
-      if (result.exit_code == 0 || result.timed_out || restart == args.max_restarts) {
+      // An interrupt is not restarted: hp-run survives the re-raised signal only as PID 1
+      // of a container (no handler: the kernel drops it), and exits 128 + N instead.
+      if (result.exit_code == 0 || result.timed_out || result.interrupted_by != 0 ||
+          restart == args.max_restarts) {
         return result.exit_code;
       }
       std::fprintf(stderr, "hp-run: restarting all %d ranks (restart %d of %d)\n",

@@ -1,6 +1,7 @@
 // Local multi-process launcher: the job's TCPStore hosted here, fork+exec of N ranks, one
 // output pipe per rank, a poll() loop that forwards output and watches exits, and
-// process-group teardown on failure, timeout or interrupt.
+// process-group teardown on failure, timeout or interrupt (a forwarded signal, with the
+// caller's grace period).
 
 #include "launcher.h"
 
@@ -18,6 +19,7 @@
 #include <c10/util/Exception.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -38,7 +40,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kPollInterval = std::chrono::milliseconds(50);
-// How long a terminated rank may take to shut down before it is SIGKILLed.
+// How long a rank may take to shut down after SIGTERM for another rank's failure or the
+// timeout, before it is SIGKILLed. (A forwarded signal gets LaunchOptions::grace_period.)
 constexpr auto kKillGrace = std::chrono::seconds(2);
 // After every rank has exited, output still in flight is read for at most this long; a
 // pipe held open longer (by a grandchild that left the rank's process group) is abandoned.
@@ -57,11 +60,31 @@ constexpr size_t kReadChunk = 64 * 1024;
 
 // Ranks run in their own process groups, so a Ctrl-C on the terminal reaches only the
 // launcher. While a launch runs, SIGINT/SIGTERM/SIGHUP are caught here (the poll loop
-// checks the flag), forwarded to the ranks, and re-raised once the ranks are gone.
+// checks the count), forwarded to the ranks, and re-raised once the ranks are gone.
 constexpr std::array<int, 3> kForwardedSignals = {SIGINT, SIGTERM, SIGHUP};
-volatile std::sig_atomic_t g_caught_signal = 0;
+// The latest signal caught and how many were: a second one means "stop now". Atomics,
+// since the handler may run on any thread (the store's too).
+std::atomic<int> g_caught_signal{0};
+std::atomic<int> g_signals_caught{0};
+static_assert(std::atomic<int>::is_always_lock_free, "a signal handler needs lock-free atomics");
 
-void on_forwarded_signal(int sig) { g_caught_signal = sig; }
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
+}
+
+void on_forwarded_signal(int sig) {
+  g_caught_signal.store(sig);
+  g_signals_caught.fetch_add(1);
+}
 
 // Installs the handlers for the lifetime of the object; nested or concurrent launches
 // share one installation.
@@ -70,7 +93,8 @@ class SignalForwarding {
   SignalForwarding() {
     std::lock_guard lock(mutex_);
     if (users_++ > 0) return;
-    g_caught_signal = 0;
+    g_caught_signal.store(0);
+    g_signals_caught.store(0);
     struct sigaction action{};
     action.sa_handler = on_forwarded_signal;
     sigemptyset(&action.sa_mask);
@@ -248,21 +272,29 @@ class Launch {
     while (true) {
       observe_exits();
       const auto now = Clock::now();
-      if (!teardown_at_) {
+      if (const int caught = g_signals_caught.load(); caught > signals_seen_) {
+        signals_seen_ = caught;
+        const int sig = g_caught_signal.load();
+        if (interrupted_by_ == 0) interrupted_by_ = sig;
+        if (!teardown_at_) {
+          begin_teardown(sig, options_.grace_period);
+          announce(std::string(signal_name(sig)) + " passed on to the ranks, which have " +
+                   seconds_text(options_.grace_period) +
+                   " to exit before SIGKILL (another signal: at once)");
+        } else {  // a second signal, or one during a failure's teardown: the user means now
+          kill_remaining(std::string("another ") + signal_name(sig));
+        }
+      } else if (!teardown_at_) {
         if (result_.first_failed_rank >= 0) {
-          begin_teardown(SIGTERM);
+          begin_teardown(SIGTERM, kKillGrace);
         } else if (options_.timeout.count() > 0 && now - started >= options_.timeout) {
           result_.timed_out = true;
-          begin_teardown(SIGTERM);
-        } else if (g_caught_signal != 0) {
-          interrupted_by_ = g_caught_signal;
-          begin_teardown(interrupted_by_);
+          begin_teardown(SIGTERM, kKillGrace);
         }
-      } else if (!sigkill_sent_ && now - *teardown_at_ >= kKillGrace) {
-        for (Rank& rank : ranks_) {
-          if (!rank.exited) kill(-rank.pid, SIGKILL);
-        }
-        sigkill_sent_ = true;
+      } else if (!sigkill_sent_ && now - *teardown_at_ >= kill_after_) {
+        kill_remaining(interrupted_by_ != 0
+                           ? "the grace period of " + seconds_text(kill_after_) + " ran out"
+                           : "");
       }
       if (all_exited()) {
         if (!all_exited_at) {
@@ -280,9 +312,6 @@ class Launch {
     finish();
     return result_;
   }
-
-  // The forwarded signal that stopped the launch, or 0.
-  int interrupted_by() const { return interrupted_by_; }
 
  private:
   void start_ranks() {
@@ -420,13 +449,39 @@ class Launch {
     }
   }
 
-  void begin_teardown(int sig) {
+  void begin_teardown(int sig, std::chrono::milliseconds kill_after) {
     teardown_at_ = Clock::now();
+    kill_after_ = kill_after;
     for (int r = 0; r < options_.nprocs; ++r) {
       if (ranks_[r].exited) continue;
       result_.ranks[r].killed_by_launcher = true;
       kill(-ranks_[r].pid, sig);
     }
+  }
+
+  // SIGKILL for every rank still running; `why`, when given, is announced with their list.
+  void kill_remaining(const std::string& why) {
+    std::string running;
+    for (int r = 0; r < options_.nprocs; ++r) {
+      if (ranks_[r].exited) continue;
+      kill(-ranks_[r].pid, SIGKILL);
+      running += (running.empty() ? "" : ", ") + std::to_string(r);
+    }
+    sigkill_sent_ = true;
+    if (!why.empty() && !running.empty()) announce(why + ": killed rank(s) " + running);
+  }
+
+  // A notice of the launcher's own beside the ranks' prefixed output (prefix mode only).
+  void announce(const std::string& text) const {
+    if (!options_.prefix_output) return;
+    std::fprintf(stderr, "[launcher] %s\n", text.c_str());
+    std::fflush(stderr);
+  }
+
+  static std::string seconds_text(std::chrono::milliseconds duration) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g s", static_cast<double>(duration.count()) / 1000);
+    return text;
   }
 
   bool all_exited() const {
@@ -506,6 +561,7 @@ class Launch {
     for (int r = 0; r < options_.nprocs; ++r) {
       if (!ranks_[r].partial.empty()) emit_lines(r, "\n");
     }
+    result_.interrupted_by = interrupted_by_;
     if (interrupted_by_ != 0) {
       result_.exit_code = 128 + interrupted_by_;
     } else if (result_.timed_out) {
@@ -520,7 +576,9 @@ class Launch {
   LaunchResult result_;
   std::vector<Rank> ranks_;
   std::optional<Clock::time_point> teardown_at_;
+  std::chrono::milliseconds kill_after_{0};  // from teardown_at_ to SIGKILL
   bool sigkill_sent_ = false;
+  int signals_seen_ = 0;
   int interrupted_by_ = 0;
 };
 
@@ -530,19 +588,18 @@ LaunchResult launch_local(const LaunchOptions& options) {
   if (options.nprocs < 1) fail("nprocs must be at least 1, got " + std::to_string(options.nprocs));
   if (options.command.empty() || options.command[0].empty()) fail("the command is empty");
   if (options.timeout.count() < 0) fail("the timeout must not be negative");
+  if (options.grace_period.count() < 0) fail("the grace period must not be negative");
   if (options.master_port < 0 || options.master_port > 65535) {
     fail("master_port must be in 0..65535, got " + std::to_string(options.master_port));
   }
   LaunchResult result;
-  int interrupted_by = 0;
   {
     SignalForwarding forwarding;
     Launch launch(options);
     result = launch.run();
-    interrupted_by = launch.interrupted_by();
   }
   // The ranks are gone; now let the interrupt do what the caller had arranged for it.
-  if (interrupted_by != 0) raise(interrupted_by);
+  if (result.interrupted_by != 0) raise(result.interrupted_by);
   return result;
 }
 

@@ -10,8 +10,11 @@
 // PyTorch's `init_process_group` included, and a rank's death takes no store with it.
 //
 // Each rank runs in its own process group, with stdin from /dev/null and stdout+stderr
-// into a pipe read by the launcher. Teardown sends SIGTERM to every remaining rank's
-// process group (so a rank's own children stop too) and SIGKILL 2 s later.
+// into a pipe read by the launcher. Teardown sends SIGTERM (or the signal being forwarded)
+// to every remaining rank's process group (so a rank's own children stop too) and SIGKILL
+// after a grace period: LaunchOptions::grace_period for a forwarded signal (a preempted
+// job's ranks may be writing a last checkpoint), 2 s after a rank's failure or the timeout
+// (the others cannot save without it).
 
 #include <chrono>
 #include <map>
@@ -30,9 +33,15 @@ struct LaunchOptions {
   // Where the launcher hosts the store. 0: a free port of master_addr, bound before the
   // store listens on that very socket, so that nothing can take it meanwhile.
   int master_port = 0;
-  // true: copy each rank's output lines to our stdout as "[rank K] line" as they come;
-  // false: keep each rank's output (stdout and stderr merged) in RankResult::output.
+  // true: copy each rank's output lines to our stdout as "[rank K] line" as they come, and
+  // print the launcher's own notices (a signal passed on, ranks killed) to stderr as
+  // "[launcher] ..."; false: keep each rank's output (stdout and stderr merged) in
+  // RankResult::output and print nothing.
   bool prefix_output = true;
+  // After a forwarded SIGINT/SIGTERM/SIGHUP, how long the ranks may take to exit before
+  // they are SIGKILLed; another such signal meanwhile kills them at once. 30 s, as
+  // Kubernetes' terminationGracePeriodSeconds and torchrun's shutdown wait.
+  std::chrono::milliseconds grace_period{std::chrono::seconds(30)};
 };
 
 struct RankResult {
@@ -47,6 +56,10 @@ struct LaunchResult {
   // (124 on timeout, like coreutils `timeout`; 128 + signal when interrupted, see below).
   int exit_code = 0;
   bool timed_out = false;
+  // The signal forwarded to the ranks (see launch_local), or 0. Set when the caller survives
+  // its re-raise: a handler of its own, or PID 1 of a container, where a signal without a
+  // handler does nothing.
+  int interrupted_by = 0;
   int first_failed_rank = -1;  // -1 when none failed
   std::vector<RankResult> ranks;
 };
@@ -57,8 +70,9 @@ struct LaunchResult {
 // started are killed first.
 //
 // SIGINT, SIGTERM and SIGHUP received meanwhile (unless ignored) are forwarded to the
-// ranks; once they are gone the signal is re-raised with the caller's disposition restored,
-// so by default the process then dies of it. On Linux a rank is also SIGKILLed when the
+// ranks, which get options.grace_period to exit (a second signal: SIGKILL at once); once
+// they are gone the signal is re-raised with the caller's disposition restored, so by
+// default the process then dies of it. On Linux a rank is also SIGKILLed when the
 // launching thread dies. SIGCHLD must not be ignored (SIG_IGN) by the caller.
 LaunchResult launch_local(const LaunchOptions& options);
 

@@ -1,5 +1,6 @@
 // Tests for hp::launch_local and the hp-run program, with /bin/sh scripts as the ranks.
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -14,6 +15,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -338,6 +341,7 @@ TEST(Launcher, InterruptIsForwardedToRanksAndReRaised) {
 
   EXPECT_LT(elapsed, 10);
   EXPECT_EQ(result.exit_code, 128 + SIGTERM);
+  EXPECT_EQ(result.interrupted_by, SIGTERM);  // hp-run restarts nothing after it
   EXPECT_EQ(g_test_handler_signal, SIGTERM) << "the signal was not re-raised to our handler";
   for (const hp::RankResult& rank : result.ranks) {
     EXPECT_TRUE(rank.killed_by_launcher) << "rank " << rank.rank;
@@ -478,7 +482,8 @@ TEST(HpRun, MaxRestartsStartsAllRanksAgain) {
 TEST(HpRun, BadFlagsGiveUsageErrors) {
   for (const char* args :
        {"--bogus -- true", "-n 0 -- true", "-n two -- true", "-n 2", "--max-restarts -1 -- true",
-        "--timeout -1 -- true", "--master-port 70000 -- true", "-n"}) {
+        "--timeout -1 -- true", "--master-port 70000 -- true", "-n", "--grace-period -1 -- true",
+        "--grace-period nan -- true"}) {
     const ProgramRun run = run_hp_run(args);
     EXPECT_EQ(run.exit_code, 2) << args << "\n" << run.output;
     EXPECT_NE(run.output.find("usage: hp-run"), std::string::npos) << args << "\n" << run.output;
@@ -494,34 +499,135 @@ TEST(HpRun, MissingProgramIsReported) {
   EXPECT_NE(run.output.find("cannot execute"), std::string::npos) << run.output;
 }
 
+// hp-run started with fork + exec, its output (and its ranks') in DIR/output, HP_TEST_DIR
+// set for the ranks' scripts.
+class HpRunProcess {
+ public:
+  HpRunProcess(const TempDir& dir, std::vector<std::string> args)
+      : output_(dir.path() + "/output") {
+    args.insert(args.begin(), HP_RUN_PATH);
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    setenv("HP_TEST_DIR", dir.path().c_str(), 1);  // inherited by hp-run and its ranks
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = open(output_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      execv(HP_RUN_PATH, argv.data());
+      _exit(127);
+    }
+    unsetenv("HP_TEST_DIR");
+  }
+  ~HpRunProcess() {
+    if (pid_ > 0 && !status_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  pid_t pid() const { return pid_; }
+
+  // Its wait status once it has exited, or unset when it still runs after `limit` (then it
+  // is killed).
+  std::optional<int> wait(std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (Clock::now() > deadline) return std::nullopt;
+      std::this_thread::sleep_for(20ms);
+    }
+    status_ = status;
+    return status_;
+  }
+
+  std::string output() const {
+    std::ifstream in(output_);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+
+ private:
+  std::string output_;
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+};
+
+bool died_of(std::optional<int> status, int sig) {
+  return status && WIFSIGNALED(*status) && WTERMSIG(*status) == sig;
+}
+
 TEST(HpRun, SigtermIsForwardedToRanks) {
   TempDir dir;
-  const std::string script = record_pids() + "wait\n";
-  setenv("HP_TEST_DIR", dir.path().c_str(), 1);  // inherited by hp-run and its ranks
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execl(HP_RUN_PATH, HP_RUN_PATH, "-n", "2", "--", "sh", "-c", script.c_str(), nullptr);
-    _exit(127);
-  }
-  unsetenv("HP_TEST_DIR");
-  ASSERT_GT(pid, 0);
-  const bool ready = wait_for_ready_files(dir, 2);
-  kill(pid, SIGTERM);
-  int status = 0;
-  const auto deadline = Clock::now() + 10s;
-  pid_t reaped = 0;
-  while ((reaped = waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(20ms);
-  }
-  if (reaped == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  }
-  ASSERT_TRUE(ready) << "the ranks never started";
-  ASSERT_EQ(reaped, pid) << "hp-run did not stop after SIGTERM";
-  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
-      << "hp-run should die from the re-raised SIGTERM, status " << status;
+  HpRunProcess hp_run(dir, {"-n", "2", "--", "sh", "-c", record_pids() + "wait\n"});
+  ASSERT_GT(hp_run.pid(), 0);
+  ASSERT_TRUE(wait_for_ready_files(dir, 2)) << "the ranks never started";
+  kill(hp_run.pid(), SIGTERM);
+  const std::optional<int> status = hp_run.wait(10s);
+  ASSERT_TRUE(status) << "hp-run did not stop after SIGTERM";
+  EXPECT_TRUE(died_of(status, SIGTERM))
+      << "hp-run should die from the re-raised SIGTERM, status " << *status;
   expect_no_survivors(recorded_pids(dir, 2));
+}
+
+// After a signal the ranks get --grace-period to exit (longer than the 2 s after a
+// failure): a rank that takes 3 s to "save" finishes. A rank still running when the grace
+// period ends is SIGKILLed, and so is every rank at a second signal.
+TEST(HpRun, RanksGetTheGracePeriodAfterASignalAndASecondOneKillsThemAtOnce) {
+  const auto saving_ranks = [](const std::string& seconds) {
+    return std::vector<std::string>{"--", "sh", "-c",
+                                    "trap 'sleep " + seconds +
+                                        "; : > \"$HP_TEST_DIR/saved.$RANK\"; exit 143' TERM INT\n" +
+                                        record_pids() + "wait\n"};
+  };
+  const auto with = [](std::vector<std::string> flags, const std::vector<std::string>& ranks) {
+    flags.insert(flags.end(), ranks.begin(), ranks.end());
+    return flags;
+  };
+  {
+    TempDir dir;
+    HpRunProcess hp_run(dir, with({"-n", "2", "--grace-period", "20"}, saving_ranks("3")));
+    ASSERT_TRUE(wait_for_ready_files(dir, 2)) << "the ranks never started";
+    const auto start = Clock::now();
+    kill(hp_run.pid(), SIGTERM);
+    const std::optional<int> status = hp_run.wait(30s);
+    EXPECT_GE(seconds_since(start), 3);
+    EXPECT_TRUE(died_of(status, SIGTERM)) << hp_run.output();
+    for (const char* saved : {"/saved.0", "/saved.1"}) {
+      EXPECT_TRUE(fs::exists(dir.path() + saved)) << saved << "\n" << hp_run.output();
+    }
+    EXPECT_NE(hp_run.output().find("[launcher] SIGTERM passed on to the ranks, which have 20 s "
+                                   "to exit before SIGKILL (another signal: at once)"),
+              std::string::npos)
+        << hp_run.output();
+  }
+  for (const bool second_signal : {false, true}) {
+    SCOPED_TRACE(second_signal ? "a second signal" : "the grace period runs out");
+    TempDir dir;
+    HpRunProcess hp_run(
+        dir, with({"-n", "2", "--grace-period", second_signal ? "20" : "1"}, saving_ranks("30")));
+    ASSERT_TRUE(wait_for_ready_files(dir, 2)) << "the ranks never started";
+    const auto start = Clock::now();
+    kill(hp_run.pid(), SIGINT);
+    if (second_signal) {
+      std::this_thread::sleep_for(500ms);
+      kill(hp_run.pid(), SIGTERM);
+    }
+    const std::optional<int> status = hp_run.wait(10s);
+    const double elapsed = seconds_since(start);
+    ASSERT_TRUE(status) << hp_run.output();
+    EXPECT_TRUE(died_of(status, SIGINT)) << "status " << *status << "\n" << hp_run.output();
+    EXPECT_GE(elapsed, second_signal ? 0.5 : 1);
+    EXPECT_LT(elapsed, 5);
+    EXPECT_NE(
+        hp_run.output().find(second_signal ? "[launcher] another SIGTERM: killed rank(s) 0, 1"
+                                           : "[launcher] the grace period of 1 s ran out: killed "
+                                             "rank(s) 0, 1"),
+        std::string::npos)
+        << hp_run.output();
+    EXPECT_FALSE(fs::exists(dir.path() + "/saved.0"));
+    expect_no_survivors(recorded_pids(dir, 2));
+  }
 }
 
 }  // namespace

@@ -2,22 +2,30 @@
 // short run learns below the unigram baseline and writes a metrics file and a loss curve
 // that agree with what it printed; under hp-run's restarts, a run whose ranks are killed
 // at random steps resumes from its newest sharded checkpoint (--resume auto) and ends with the
-// checkpoint files of an uninterrupted run, byte for byte; a save directory that cannot
+// checkpoint files of an uninterrupted run, byte for byte, and so does a run preempted by
+// SIGTERM (a last-words checkpoint at the step it stopped); a save directory that cannot
 // be written and a missing corpus fail before the first step; flags override a config
 // file; a rank that never starts is named within --timeout; the real torchrun launches it
 // (its agent hosting the store) and restarts it; tensor, context and expert parallelism
 // on 8 ranks train like data parallelism alone.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hyperparallel/sharded_checkpoint.h"
@@ -39,14 +47,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// hp-run training a small model on `ranks` ranks (mesh `mesh`).
+std::string train_command(int ranks, const std::string& mesh, const std::string& hp_run_flags,
+                          const std::string& trainer_flags) {
+  return std::string(HP_RUN_PATH) + " -n " + std::to_string(ranks) + " --timeout 120 " +
+         hp_run_flags + " -- " + TRAIN_DECODER_PATH + " --data " + HP_SOURCE_DIR + "/docs --data " +
+         HP_SOURCE_DIR + "/README.md --mesh " + mesh +
+         " --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 --sample-bytes 40 " + trainer_flags;
+}
+
 // A small model on 2 ranks.
 ProgramRun train(const std::string& hp_run_flags, const std::string& trainer_flags) {
-  return run_program(std::string(HP_RUN_PATH) + " -n 2 --timeout 120 " + hp_run_flags + " -- " +
-                     TRAIN_DECODER_PATH + " --data " + HP_SOURCE_DIR + "/docs --data " +
-                     HP_SOURCE_DIR +
-                     "/README.md --mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 "
-                     "--eval-batches 4 --sample-bytes 40 " +
-                     trainer_flags);
+  return run_program(train_command(2, "1x2", hp_run_flags, trainer_flags));
 }
 
 std::string contents(const fs::path& file) {
@@ -63,6 +75,30 @@ struct TempDir {
   TempDir() { fs::remove_all(path); }
   ~TempDir() { fs::remove_all(path); }
 };
+
+// The run's closing verdict line ("OK: validation loss ..."), or "".
+std::string verdict(const std::string& output) {
+  const size_t start = output.rfind("validation loss ");
+  return start == std::string::npos ? "" : output.substr(start, output.find('\n', start) - start);
+}
+
+// The checkpoints of `step` under the save directories `expected` and `actual`, written by
+// `ranks` ranks, are the same byte for byte.
+void expect_same_checkpoint(const std::string& expected, const std::string& actual, int64_t step,
+                            int ranks) {
+  std::vector<std::string> files = {"index.json", "COMPLETE"};
+  for (int r = 0; r < ranks; ++r) {
+    char name[32];
+    std::snprintf(name, sizeof name, "rank-%05d.safetensors", r);
+    files.emplace_back(name);
+  }
+  for (const std::string& file : files) {
+    const fs::path want = fs::path(checkpoint_dir_for_step(expected, step)) / file;
+    ASSERT_TRUE(fs::exists(want)) << want;
+    EXPECT_TRUE(contents(fs::path(checkpoint_dir_for_step(actual, step)) / file) == contents(want))
+        << file << " differs from the uninterrupted run's";
+  }
+}
 
 TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
   TempDir dir;
@@ -186,21 +222,192 @@ TEST(Trainer, RestartedRunEndsBitwiseEqualToUninterrupted) {
   for (const std::string& line : expected_lines) {
     EXPECT_TRUE(contains(run.output, line)) << line << "\n" << run.output;
   }
-  const auto verdict = [](const std::string& output) {  // "... validation loss X ..."
-    const size_t start = output.rfind("validation loss ");
-    return start == std::string::npos ? "" : output.substr(start, output.find('\n', start) - start);
-  };
   ASSERT_NE(verdict(reference.output), "") << reference.output;
   EXPECT_EQ(verdict(run.output), verdict(reference.output));
+  expect_same_checkpoint(straight, restarted, steps, 2);
+}
 
-  for (const char* file :
-       {"index.json", "rank-00000.safetensors", "rank-00001.safetensors", "COMPLETE"}) {
-    const fs::path expected = fs::path(checkpoint_dir_for_step(straight, steps)) / file;
-    ASSERT_TRUE(fs::exists(expected)) << expected;
-    EXPECT_TRUE(contents(fs::path(checkpoint_dir_for_step(restarted, steps)) / file) ==
-                contents(expected))
-        << file << " differs from the uninterrupted run's";
+// A command started in the background through /bin/sh, which execs it (the pid is the
+// command's), its output going to a file.
+class BackgroundRun {
+ public:
+  BackgroundRun(const std::string& command_line, const fs::path& output) : output_(output) {
+    const std::string line = "exec " + command_line + " > '" + output.string() + "' 2>&1";
+    pid_ = fork();  // only exec in the child: the parent may have threads
+    if (pid_ == 0) {
+      execl("/bin/sh", "sh", "-c", line.c_str(), nullptr);
+      _exit(127);
+    }
   }
+  ~BackgroundRun() {
+    if (pid_ > 0 && !exit_code_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  BackgroundRun(const BackgroundRun&) = delete;
+  BackgroundRun& operator=(const BackgroundRun&) = delete;
+
+  pid_t pid() const { return pid_; }
+  std::string output() const { return contents(output_); }
+
+  // Its exit code (128 + N when signal N ended it) once it has exited; unset when it still
+  // runs at the deadline.
+  std::optional<int> wait(std::chrono::steady_clock::time_point deadline) {
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return exit_code_;
+  }
+
+ private:
+  fs::path output_;
+  pid_t pid_ = -1;
+  std::optional<int> exit_code_;
+};
+
+// The highest step rank 0's progress lines show; 0 before the first.
+int64_t last_logged_step(const std::string& output) {
+  int64_t last = 0;
+  const std::regex line("\\[rank 0\\] step +([0-9]+)/[0-9]+  loss");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), line);
+       it != std::sregex_iterator(); ++it) {
+    last = std::max<int64_t>(last, std::stoll((*it)[1]));
+  }
+  return last;
+}
+
+// The processes whose parent is `parent` (from /proc).
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> children;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = contents(entry.path() / "stat");  // "pid (comm) state ppid ..."
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (std::sscanf(stat.c_str() + paren + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
+      children.push_back(std::stoi(name));
+    }
+  }
+  return children;
+}
+
+struct Preempted {
+  std::optional<int> exit_code;  // hp-run's: 143 when it died of the SIGTERM it passed on
+  std::string output;
+  int64_t logged_at_signal = 0;  // the last step logged when the signal reached the ranks
+  double seconds = 0;            // from then to hp-run's exit
+};
+
+// Runs hp-run `command` until rank 0 has logged step `after`, then preempts it: SIGTERM to
+// hp-run, which passes it on to the ranks. The ranks are held (SIGSTOP) meanwhile, so that
+// the step they are in is known however late the log lines reach the file on a busy
+// machine: the one after the last logged.
+Preempted preempt(const std::string& command, const fs::path& output, int64_t after) {
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  BackgroundRun run(command, output);
+  Preempted preempted;
+  const auto waited = [&](const std::string& what, const std::function<bool()>& done) {
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (!done()) {
+      if (run.wait(Clock::now()) || Clock::now() > deadline) {
+        preempted.output = run.output();
+        ADD_FAILURE() << "the run ended, or never " << what << "\n" << preempted.output;
+        return false;
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    return true;
+  };
+  if (!waited("logged step " + std::to_string(after),
+              [&] { return last_logged_step(run.output()) >= after; })) {
+    return preempted;
+  }
+  const std::vector<pid_t> ranks = children_of(run.pid());
+  EXPECT_EQ(ranks.size(), 4u);
+  for (pid_t rank : ranks) kill(-rank, SIGSTOP);   // each rank leads its process group
+  std::this_thread::sleep_for(milliseconds(300));  // hp-run copies what they printed
+  preempted.logged_at_signal = last_logged_step(run.output());
+  kill(run.pid(), SIGTERM);
+  const bool passed_on = waited("passed SIGTERM on", [&] {
+    return contains(run.output(), "[launcher] SIGTERM passed on to the ranks");
+  });
+  for (pid_t rank : ranks) kill(-rank, SIGCONT);
+  if (!passed_on) return preempted;
+  const auto signalled = Clock::now();
+  preempted.exit_code = run.wait(signalled + std::chrono::seconds(40));
+  preempted.seconds = std::chrono::duration<double>(Clock::now() - signalled).count();
+  preempted.output = run.output();
+  return preempted;
+}
+
+// Preemption: hp-run passes SIGTERM on to the 4 ranks, which finish the step in progress
+// together (one all-reduce per step tells every rank), write a last-words checkpoint at it
+// and exit; hp-run then dies of SIGTERM (143). A second preemption with a 50 ms trainer
+// grace period ends the ranks at once wherever it finds them (in a step, in a save). Then
+// --resume auto ends with the checkpoint files of an uninterrupted run, byte for byte.
+TEST(Trainer, PreemptedRunSavesLastWordsAndResumesBitwiseEqual) {
+  TempDir dir;
+  fs::create_directories(dir.path);
+  const std::string straight = (dir.path / "straight").string();
+  const std::string preempted = (dir.path / "preempted").string();
+  const int64_t steps = 40;
+  const auto command = [&](const std::string& save, const std::string& extra) {
+    return train_command(4, "2x2", "",
+                         "--steps 40 --log-every 1 --resume auto --save " + save + " " + extra);
+  };
+  const ProgramRun reference = run_program(command(straight, ""));
+  ASSERT_NE(verdict(reference.output), "") << reference.output;
+
+  const Preempted first = preempt(command(preempted, ""), dir.path / "first.log", 10);
+  RecordProperty("seconds_from_sigterm_to_exit", std::to_string(first.seconds));
+  EXPECT_EQ(first.exit_code, 128 + SIGTERM) << first.output;
+  EXPECT_LT(first.seconds, 20) << "slower than the trainer's grace period allows";
+  std::smatch said;
+  ASSERT_TRUE(std::regex_search(
+      first.output, said,
+      std::regex("\\[rank 0\\] preempted: last-words checkpoint at step ([0-9]+) in (\\S+)\n")))
+      << first.output;
+  // The step in progress when the signal came (the next one only if a rank had already
+  // agreed on it and not yet logged it).
+  const int64_t last_words = std::stoll(said[1]);
+  RecordProperty("last_logged_step_at_sigterm", std::to_string(first.logged_at_signal));
+  RecordProperty("last_words_step", std::to_string(last_words));
+  EXPECT_GT(last_words, first.logged_at_signal) << first.output;
+  EXPECT_LE(last_words, first.logged_at_signal + 2) << first.output;
+  EXPECT_EQ(said[2], checkpoint_dir_for_step(preempted, last_words));
+  EXPECT_TRUE(contains(first.output, "preempted by SIGTERM: stopped after step " +
+                                         std::to_string(last_words) + "; exit status 143"))
+      << first.output;
+  EXPECT_EQ(last_logged_step(first.output), last_words) << first.output;
+  // Complete, the only one, and marked.
+  EXPECT_EQ(latest_checkpoint(preempted), checkpoint_dir_for_step(preempted, last_words));
+  EXPECT_EQ(std::distance(fs::directory_iterator(preempted), fs::directory_iterator()), 1);
+  EXPECT_TRUE(contains(contents(fs::path(said[2].str()) / "index.json"), "\"extra/last_words\""));
+
+  const Preempted second =
+      preempt(command(preempted, "--grace-period 0.05"), dir.path / "second.log", last_words + 3);
+  EXPECT_EQ(second.exit_code, 128 + SIGTERM) << second.output;
+  EXPECT_TRUE(
+      contains(second.output, "resumed from " + checkpoint_dir_for_step(preempted, last_words)))
+      << second.output;
+  EXPECT_TRUE(
+      contains(second.output, "the grace period of 0.05 s after the signal ran out: exiting now") ||
+      contains(second.output, "preempted: last-words checkpoint"))
+      << second.output;
+
+  const ProgramRun resumed = run_program(command(preempted, ""));
+  EXPECT_TRUE(contains(resumed.output, "is the last-words checkpoint of a run stopped by SIGTERM"))
+      << resumed.output;
+  EXPECT_EQ(verdict(resumed.output), verdict(reference.output)) << resumed.output;
+  expect_same_checkpoint(straight, preempted, steps, 4);
 }
 
 TEST(Trainer, ConfigFileFlagsAndBadInput) {
@@ -220,6 +427,7 @@ TEST(Trainer, ConfigFileFlagsAndBadInput) {
   const ProgramRun configured = train("", "--config " + config + " --steps 2");
   EXPECT_TRUE(contains(configured.output, "steps=2\n")) << configured.output;
   EXPECT_TRUE(contains(configured.output, "seq=32\n")) << configured.output;
+  EXPECT_TRUE(contains(configured.output, "grace-period=25\n")) << configured.output;
   EXPECT_TRUE(contains(configured.output, "step      2/2")) << configured.output;
 
   const std::string missing = (dir.path / "no_such_corpus").string();
@@ -253,8 +461,9 @@ TEST(Trainer, MalformedConfigsUnknownKeysAndNonFiniteNumbersAreUsageErrors) {
     EXPECT_EQ(run.exit_code, 2) << text << run.output;
     EXPECT_TRUE(contains(run.output, expected)) << text << run.output;
   }
-  for (const std::string flag : {"--clip-grad nan", "--timeout nan", "--lr nan", "--lr inf",
-                                 "--val-fraction nan", "--balance-loss nan"}) {
+  for (const std::string flag :
+       {"--clip-grad nan", "--timeout nan", "--lr nan", "--lr inf", "--val-fraction nan",
+        "--balance-loss nan", "--grace-period nan"}) {
     const ProgramRun run = parse(flag);
     EXPECT_EQ(run.exit_code, 2) << flag << run.output;
     EXPECT_TRUE(contains(run.output, "must be a finite number")) << flag << run.output;
