@@ -27,6 +27,10 @@
 // forward/backward boundary) of every rank, and the RLIMIT_DATA the process ran under.
 // --trace DIR records the last timed step of every hp variant on every rank as
 // DIR/<variant>_rank<R>.json (Chrome trace) and .svg (timeline picture).
+// --checkpoint DIR times checkpoint saves instead of variants: how long a training step is
+// blocked by save_sharded_checkpoint and by AsyncCheckpointSaver::save (both stagings:
+// fork, copy), how long the background write takes and how fast training runs meanwhile
+// (one RESULT line; see run_checkpoint below). The checkpoints go under DIR and are removed.
 // Every variant computes on the World's device (World::device(): a GPU per rank when
 // every rank has one); on a GPU each phase's time ends with a device synchronization, so
 // it is device time, not launch time.
@@ -35,6 +39,7 @@
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -51,6 +56,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -58,12 +64,14 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
+#include "hyperparallel/async_checkpoint.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/materialize.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
+#include "hyperparallel/sharded_checkpoint.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
 
@@ -79,7 +87,9 @@ struct Options {
   int64_t steps = 8, warmup = 2;
   std::string variants = "local,ddp,hp";
   std::string label;
-  std::string trace_dir;  // empty: no trace
+  std::string trace_dir;       // empty: no trace
+  std::string checkpoint_dir;  // set: the checkpoint benchmark instead of the variants
+  int64_t saves = 3;           // timed saves of each kind
   bool count_copies = true;
   bool deferred_init = false;
 };
@@ -103,6 +113,10 @@ Options parse_args(int argc, char** argv) {
   app.add_option("--variants", o.variants, "comma-separated (see the top of hp_bench.cpp)");
   app.add_option("--label", o.label, "copied into every RESULT line");
   app.add_option("--trace", o.trace_dir, "DIR: a trace of the last timed step of hp variants");
+  app.add_option("--checkpoint", o.checkpoint_dir,
+                 "DIR: time checkpoint saves (sync and async) of the hp model, written under DIR");
+  app.add_option("--saves", o.saves, "timed saves of each kind (--checkpoint)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("!--no-copy-count", o.count_copies, "skip the untimed step that counts copies");
   app.add_flag("--deferred-init", o.deferred_init, "hp::deferred_init, fully_shard, materialize");
   std::string mesh;
@@ -554,6 +568,11 @@ void count_copies(std::vector<std::unique_ptr<Variant>>& variants, const Options
 
 // ---- Results ---------------------------------------------------------------------------
 
+nlohmann::json transformer_json(const Options& o) {
+  return {{"dim", o.dim},     {"layers", o.layers}, {"heads", o.heads}, {"vocab", o.vocab},
+          {"ffn", 4 * o.dim}, {"seq", o.seq},       {"batch", o.batch}};
+}
+
 // Rank 0 prints one RESULT line per variant; every rank contributes its RSS.
 void print_results(const std::vector<std::unique_ptr<Variant>>& variants, const Options& o,
                    const Setting& setting, const ModelSizes& sizes, double base_rss) {
@@ -595,9 +614,7 @@ void print_results(const std::vector<std::unique_ptr<Variant>>& variants, const 
         {"local_params", local_numel},
     };
     if (o.model == "transformer") {
-      result["model"] = {{"dim", o.dim},     {"layers", o.layers}, {"heads", o.heads},
-                         {"vocab", o.vocab}, {"ffn", 4 * o.dim},   {"seq", o.seq},
-                         {"batch", o.batch}};
+      result["model"] = transformer_json(o);
     }
     result["params"] = sizes.params;
     result["block_params"] = sizes.block_params;
@@ -623,10 +640,236 @@ void print_results(const std::vector<std::unique_ptr<Variant>>& variants, const 
   std::fflush(stdout);
 }
 
+// ---- Checkpoint saves ------------------------------------------------------------------
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// Each value's maximum over the ranks (one all-reduce).
+std::vector<double> max_over_ranks(const std::vector<double>& values, const hp::Group& all) {
+  at::Tensor t = torch::tensor(values, torch::kDouble);
+  hp::all_reduce(t, hp::ReduceOp::kMax, all).wait();
+  return {t.data_ptr<double>(), t.data_ptr<double>() + t.numel()};
+}
+
+nlohmann::json mean_ms(const std::vector<double>& v) {
+  if (v.empty()) return nullptr;
+  return rounded(std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()));
+}
+
+nlohmann::json each_ms(const std::vector<double>& v) {
+  nlohmann::json out = nlohmann::json::array();
+  for (double x : v) out.push_back(rounded(x));
+  return out;
+}
+
+// Minor page faults of this process so far (the copy-on-write copies of a forked save
+// are among them).
+double minor_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_minflt);
+}
+
+const char* staging_name(hp::CheckpointStaging staging) {
+  return staging == hp::CheckpointStaging::kFork ? "fork" : "copy";
+}
+
+// --checkpoint: the `hp` model (AdamW) trains `warmup` steps, then
+//   1. `steps` steps without saving;
+//   2. `saves` times a step, then save_sharded_checkpoint: the time it blocks training;
+//   then, for each staging of AsyncCheckpointSaver (kFork, then kCopy, the default), with
+//   a saver of its own:
+//   3. `saves` times a step, then save() (it blocks while it takes the snapshot: the fork
+//      of a writer process, or the copy of this rank's pieces into staging memory), then
+//      training goes on until the write is complete on every rank: the write's duration
+//      from save() on (a watcher thread notes its end to the millisecond), the time of
+//      the steps that started while it was in flight, and this process's minor page
+//      faults from save() to the end of the write (a forked save's copy-on-write copies);
+//   4. `saves` times a step, then save() and wait() at once: the write alone.
+// The step time without saving is the mean of the steps of 1. and of the step before each
+// save (no write in flight then): they sample the machine's load over the whole run, as
+// the steps during the writes do; their page faults per step are the baseline of 3.'s.
+// 2. and 3. save once more first, left out of the means: the first async save also makes
+// the writer's process group (and, kCopy, allocates the staging memory) (reported apart).
+// Times are the slowest rank's (each phase starts at a barrier); rank 0's blocked times too.
+int run_checkpoint(const Options& o, const Setting& setting) {
+  if (o.model != "transformer") throw std::invalid_argument("--checkpoint needs the transformer");
+  ModelSizes sizes;
+  const std::unique_ptr<Variant> v = build_variant("hp", o, setting, sizes);
+  const hp::Group& all = setting.all();
+  int64_t step = 0;
+  const auto train = [&] {
+    auto [x, y] = batch_for(step++, o, setting);
+    hp::barrier(all).wait();
+    return max_over_ranks({time_step(*v, x, y, false, o, setting.device())[3]}, all)[0];
+  };
+  // A step with no write in flight, its page faults counted.
+  std::vector<double> plain, plain_faults;
+  const auto train_plain = [&] {
+    const double before = minor_faults();
+    plain.push_back(train());
+    plain_faults.push_back(minor_faults() - before);
+  };
+  const std::filesystem::path root = o.checkpoint_dir;
+  double checkpoint_mib = 0;
+  // Rank 0 measures a finished checkpoint and removes it, so the disk holds one at a time.
+  const auto discard = [&](const std::filesystem::path& dir) {
+    hp::barrier(all).wait();
+    if (setting.rank != 0) return;
+    checkpoint_mib = 0;
+    for (const auto& file : std::filesystem::recursive_directory_iterator(dir)) {
+      if (file.is_regular_file())
+        checkpoint_mib += static_cast<double>(file.file_size()) / 1048576.0;
+    }
+    std::filesystem::remove_all(dir);
+  };
+
+  for (int64_t i = 0; i < o.warmup; ++i) train();
+  for (int64_t i = 0; i < o.steps; ++i) train_plain();
+
+  std::vector<double> sync_max, sync_rank0;
+  double sync_first = 0;
+  for (int64_t k = 0; k <= o.saves; ++k) {
+    train_plain();
+    const std::filesystem::path dir = root / ("sync-" + std::to_string(k));
+    hp::barrier(all).wait();
+    const auto start = Clock::now();
+    hp::save_sharded_checkpoint(dir.string(), *v->module, v->optimizer.get());
+    const double mine = ms_since(start);
+    const double slowest = max_over_ranks({mine}, all)[0];
+    if (k == 0) {
+      sync_first = slowest;
+    } else {
+      sync_max.push_back(slowest);
+      sync_rank0.push_back(mine);
+    }
+    discard(dir);
+  }
+
+  // 3. and 4. for one staging, with a saver of its own (freed after: kCopy's staging memory
+  // does not stay in the process).
+  const auto measure_async = [&](hp::CheckpointStaging staging) {
+    const std::string name = staging_name(staging);
+    hp::AsyncCheckpointSaver saver(staging);
+    std::vector<double> blocked_max, blocked_rank0, write_max, during, faults_max, rss_max;
+    double first_blocked = 0;
+    for (int64_t k = 0; k <= o.saves; ++k) {
+      train_plain();
+      const std::filesystem::path dir = root / (name + "-" + std::to_string(k));
+      const double rss = status_mib("VmRSS");
+      hp::barrier(all).wait();
+      const double faults_before = minor_faults();
+      const auto start = Clock::now();
+      saver.save(dir.string(), *v->module, v->optimizer.get());
+      const double blocked = ms_since(start);
+      Clock::time_point written;
+      std::thread watcher([&] {
+        while (saver.busy()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        written = Clock::now();
+      });
+      // Steps start while the write is in flight on any rank.
+      while (max_over_ranks({saver.busy() ? 1.0 : 0.0}, all)[0] > 0) {
+        const double ms = train();
+        if (k > 0) during.push_back(ms);
+      }
+      watcher.join();
+      saver.wait();  // throws when the write failed
+      const double faults = minor_faults() - faults_before;
+      const std::vector<double> slowest = max_over_ranks(
+          {blocked, std::chrono::duration<double, std::milli>(written - start).count(), faults,
+           rss},
+          all);
+      if (k == 0) {
+        first_blocked = slowest[0];
+      } else {
+        blocked_max.push_back(slowest[0]);
+        blocked_rank0.push_back(blocked);
+        write_max.push_back(slowest[1]);
+        faults_max.push_back(slowest[2]);
+        rss_max.push_back(slowest[3]);
+      }
+      discard(dir);
+    }
+    // The same write with nothing running beside it: save() and wait() at once.
+    std::vector<double> alone_max;
+    for (int64_t k = 1; k <= o.saves; ++k) {
+      train_plain();
+      const std::filesystem::path dir = root / (name + "-alone-" + std::to_string(k));
+      hp::barrier(all).wait();
+      const auto start = Clock::now();
+      saver.save(dir.string(), *v->module, v->optimizer.get());
+      saver.wait();
+      alone_max.push_back(max_over_ranks({ms_since(start)}, all)[0]);
+      discard(dir);
+    }
+    return nlohmann::json{
+        {"blocked_ms", mean_ms(blocked_max)},
+        {"blocked_rank0_ms", mean_ms(blocked_rank0)},
+        {"blocked_each_ms", each_ms(blocked_max)},
+        {"first_blocked_ms", rounded(first_blocked)},
+        {"write_ms", mean_ms(write_max)},
+        {"write_each_ms", each_ms(write_max)},
+        {"alone_ms", mean_ms(alone_max)},
+        {"alone_each_ms", each_ms(alone_max)},
+        {"during_write_step_ms", mean_ms(during)},
+        {"during_write_each_ms", each_ms(during)},
+        {"during_write_steps", during.size()},
+        {"write_faults", mean_ms(faults_max)},  // per save, slowest rank: a count, not ms
+        {"rss_mib", mean_ms(rss_max)},
+    };
+  };
+  nlohmann::json async;
+  for (hp::CheckpointStaging staging :
+       {hp::CheckpointStaging::kFork, hp::CheckpointStaging::kCopy}) {
+    async[staging_name(staging)] = measure_async(staging);
+  }
+  // Page faults of a step with no write in flight, the slowest rank's mean.
+  const double faults_per_step =
+      max_over_ranks({std::accumulate(plain_faults.begin(), plain_faults.end(), 0.0) /
+                      static_cast<double>(plain_faults.size())},
+                     all)[0];
+  if (setting.rank == 0) {
+    std::error_code ignored;  // only when empty: DIR may hold other files
+    std::filesystem::remove(root, ignored);
+    const nlohmann::json result = {
+        {"impl", "hp"},
+        {"variant", "checkpoint"},
+        {"label", o.label},
+        {"world", setting.ranks},
+        {"mesh", std::to_string(setting.replicate) + "x" + std::to_string(setting.shard)},
+        {"error", nullptr},
+        {"model", transformer_json(o)},
+        {"params", sizes.params},
+        {"deferred_init", o.deferred_init},
+        {"warmup", o.warmup},
+        {"steps", plain.size()},
+        {"plain_steps", o.steps},
+        {"saves", o.saves},
+        {"checkpoint_mib", rounded(checkpoint_mib)},
+        {"page_kib", static_cast<double>(sysconf(_SC_PAGESIZE)) / 1024.0},
+        {"step_ms", mean_ms(plain)},
+        {"step_each_ms", each_ms(plain)},
+        {"step_faults", rounded(faults_per_step)},
+        {"sync_blocked_ms", mean_ms(sync_max)},
+        {"sync_blocked_rank0_ms", mean_ms(sync_rank0)},
+        {"sync_each_ms", each_ms(sync_max)},
+        {"sync_first_ms", rounded(sync_first)},
+        {"async", async},  // per staging: "fork" (the default), "copy"
+    };
+    std::printf("RESULT %s\n", result.dump().c_str());
+    std::fflush(stdout);
+  }
+  hp::barrier(all).wait();
+  return 0;
+}
+
 // ---- The run ---------------------------------------------------------------------------
 
 int run(const Options& o) {
   const Setting setting = make_setting(o);
+  if (!o.checkpoint_dir.empty()) return run_checkpoint(o, setting);
   // The process before any model exists (LibTorch, Gloo, the world): peak RSS minus this
   // is what the variant's model, optimizer and steps cost.
   const double base_rss = status_mib("VmRSS");

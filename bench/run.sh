@@ -7,21 +7,23 @@
 #
 # Sections: steps (step times), memory (peak RSS on 1, 2, 4 ranks against the ideal
 # ZeRO-3 model), beyond (a model bigger than one rank's memory limit), overhead
-# (scheduling overhead), netns (bandwidth-limited). --only runs the listed ones and
-# rewrites only their parts of the report (their sections and target rows); the rest of
-# docs/performance.md stays as it was.
+# (scheduling overhead), netns (bandwidth-limited), checkpoint (how long a save blocks
+# training, synchronous vs async). --only runs the listed ones and rewrites only their
+# parts of the report (their sections and target rows); the rest of docs/performance.md
+# stays as it was.
 #
 # Environment: BENCH_STEPS / BENCH_WARMUP (timed / warm-up steps of the transformer runs,
 # default 6 / 1), BENCH_NETNS=0 skips the bandwidth-limited run (it needs root),
 # BENCH_RATE its link rate (default 200mbit), BENCH_NETNS_STEPS its timed steps (default
 # 10: its efficiencies are differences of step times), BENCH_MEMORY_SEQ the sequence
 # length of the memory runs (default 16), BENCH_BEYOND_LIMIT_MIB the per-rank limit of the
-# beyond run (default 1280), BENCH_REPORT (default docs/performance.md). Raw results:
+# beyond run (default 1280), BENCH_SAVES the timed saves of each kind in the checkpoint
+# run (default 5), BENCH_REPORT (default docs/performance.md). Raw results:
 # BUILD_DIR/bench/results/{SECTION.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-ALL_SECTIONS=steps,memory,beyond,overhead,netns
+ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint
 BUILD=build
 SECTIONS=$ALL_SECTIONS
 COMMAND="make bench"
@@ -43,7 +45,7 @@ done
 [ "$SECTIONS" = "$ALL_SECTIONS" ] || COMMAND="scripts/in_env.sh bench/run.sh $BUILD --only $SECTIONS"
 # The report names the command; settings from the environment are part of it.
 for v in BENCH_STEPS BENCH_WARMUP BENCH_NETNS BENCH_RATE BENCH_NETNS_STEPS BENCH_MEMORY_SEQ \
-  BENCH_BEYOND_LIMIT_MIB BENCH_GLIBC_TUNABLES; do
+  BENCH_BEYOND_LIMIT_MIB BENCH_SAVES BENCH_GLIBC_TUNABLES; do
   [ -z "${!v+x}" ] || COMMAND="$v=${!v} $COMMAND"
 done
 selected() { [[ ",$SECTIONS," == *",$1,"* ]]; }
@@ -205,6 +207,21 @@ section_netns() {
     bench/netns.sh down 2 >/dev/null 2>&1
     echo "  (skipped: could not create network namespaces; see $OUT/log.txt)"
   fi
+}
+
+# How long a save blocks training (issue 28): the memory runs' d=512/L=16 model on 4
+# ranks, save_sharded_checkpoint against AsyncCheckpointSaver with each staging, fork (the
+# default) and copy, one after the other (hp_bench --checkpoint). The checkpoints go to
+# the build directory, one at a time (about 0.8 GiB), and are removed.
+CHECKPOINT_MODEL="--dim 512 --layers 16 --heads 8 --vocab 1024 --seq 16 --batch 1"
+section_checkpoint() {
+  echo "bench: checkpoint saves (synchronous vs async: fork, copy; 4 ranks)"
+  local dir=$BUILD/bench/checkpoints
+  rm -rf "$dir"
+  # shellcheck disable=SC2086
+  launch "checkpoint/d512L16/1x4" 4 "$HP_BENCH" $CHECKPOINT_MODEL --mesh 1x4 --steps 3 \
+    --warmup 1 --deferred-init --checkpoint "$dir" --saves "${BENCH_SAVES:-5}"
+  rm -rf "$dir"  # what a failed run left
 }
 
 # Each section writes its own results file, headed by a line saying how it was made.

@@ -36,6 +36,7 @@
 #include "examples/trainer/text_batches.h"
 #include "examples/trainer/text_corpus.h"
 #include "examples/trainer/train_options.h"
+#include "hyperparallel/async_checkpoint.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/context_parallel.h"
@@ -479,13 +480,19 @@ int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& opt
   return done;
 }
 
-// The checkpoint after `step`. `last_words`: the signal that preempted the run, kept in the
-// checkpoint as "last_words" (0: a regular save; a resumed run treats both alike).
+// The checkpoint after `step`: in the background with `saver` (null: before returning).
+// `last_words`: the signal that preempted the run, kept in the checkpoint as "last_words"
+// (0: a regular save; a resumed run treats both alike).
 void save(const TrainOptions& o, int64_t step, Decoder& model, torch::optim::AdamW& optimizer,
-          const Job& job, int last_words = 0) {
+          const Job& job, hp::AsyncCheckpointSaver* saver = nullptr, int last_words = 0) {
   const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
   hp::StateDict state = run_state(step, job.all(), job.ranks);
   if (last_words != 0) state.insert("last_words", at::scalar_tensor(last_words, at::kLong));
+  if (saver) {
+    saver->save(dir, *model, &optimizer, state);
+    if (job.rank == 0) std::printf("saving %s in the background\n", dir.c_str());
+    return;
+  }
   hp::save_sharded_checkpoint(dir, *model, &optimizer, state);
   if (job.rank != 0) return;
   if (last_words == 0) {
@@ -765,6 +772,8 @@ int train(const TrainOptions& o, const std::string& resolved) {
   // once: there is nothing to save yet).
   const hp::trainer::PreemptionWatch preemption(
       std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.grace_period * 1000))));
+  std::optional<hp::AsyncCheckpointSaver> saver;
+  if (o.async_save) saver.emplace();
 
   for (int64_t step = done + 1; step <= o.steps; ++step) {
     fail_if_due(fault, step, job.rank, o.fail_by_kill);
@@ -777,15 +786,15 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
     at::Tensor mean_loss = result.loss.detach().clone();
     hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
-    // A signal on any rank stops every rank after this same step: the checkpoint first,
-    // while the grace period lasts. (With an asynchronous save in flight, wait for it
-    // before this one: AsyncCheckpointSaver::wait.)
+    // A signal on any rank stops every rank after this same step: the checkpoint first
+    // (after the one in the background, if any), while the grace period lasts.
     const int preempted_by = preemption.agreed_signal(job.all());
     if (preempted_by != 0 && !o.save.empty()) {
-      save(o, step, model, optimizer, job, preempted_by);
+      if (saver) saver->wait();
+      save(o, step, model, optimizer, job, nullptr, preempted_by);
     } else if (preempted_by == 0 && o.save_every > 0 && step % o.save_every == 0 &&
                step != o.steps) {
-      save(o, step, model, optimizer, job);
+      save(o, step, model, optimizer, job, saver ? &*saver : nullptr);
     }
     if (progress.logs(step) || progress.evaluates(step)) {
       hp::trainer::MetricsRecord record =
@@ -800,6 +809,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
   }
   progress.finish();
 
+  if (saver) saver->wait();
   if (!o.save.empty()) save(o, o.steps, model, optimizer, job);
   if (!o.export_dir.empty()) export_full(o.export_dir, model, optimizer, job);
   summary.validation_loss =

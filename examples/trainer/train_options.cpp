@@ -188,6 +188,11 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
                  "also save after every N-th step; 0: only at the end")
       ->check(CLI::NonNegativeNumber)
       ->group("Checkpoints");
+  app.add_flag("--async-save", o.async_save,
+               "write the --save-every checkpoints in the background while training goes on "
+               "(hp::AsyncCheckpointSaver: a step is blocked only for the snapshot); the final "
+               "and last-words checkpoints are written before the run ends")
+      ->group("Checkpoints");
   app.add_option("--resume", o.resume,
                  "auto: continue from the newest complete checkpoint under --save (a fresh start "
                  "when there is none); PATH: from that sharded checkpoint or --export directory, "
@@ -257,6 +262,10 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   }
   if (o.save_every > 0 && o.save.empty()) {
     return "--save-every needs --save DIR";
+  }
+  if (o.async_save && o.save_every == 0) {
+    return "--async-save writes the --save-every checkpoints in the background; give "
+           "--save DIR --save-every N";
   }
   if (!o.fail_ranks.empty() && o.fail_ranks.size() != o.fail_at_steps.size()) {
     return "--fail-rank is given " + std::to_string(o.fail_ranks.size()) +

@@ -48,6 +48,7 @@ struct TrainOptions {
   // Checkpoints and recovery
   std::string save;
   int64_t save_every = 0;
+  bool async_save = false;  // --save-every checkpoints written in the background
   std::string resume;
   std::string export_dir;
   // Seconds from SIGTERM / SIGINT to an exit that no longer waits for the last-words

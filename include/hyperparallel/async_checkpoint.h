@@ -29,21 +29,22 @@ namespace detail {
 class AsyncCheckpointWriter;
 }
 
-// How save() takes its snapshot.
+// How save() takes its snapshot (docs/performance.md, "Checkpoint saves", measures both).
 enum class CheckpointStaging {
-  // Pieces on the CPU: the process forks a writer, whose copy-on-write view of memory is
-  // the snapshot. save() blocks for the fork (milliseconds); while the write runs, the
-  // kernel copies each page training writes to (at most this rank's pieces, once).
-  // Pieces on a GPU: as kCopy.
-  kFork,
   // Copies the pieces into host staging memory (pinned for GPU tensors), kept and reused
   // by the next save when the shapes match. save() blocks for the copy.
   kCopy,
+  // Pieces on the CPU: the process forks a writer, whose copy-on-write view of memory is
+  // the snapshot. save() blocks only for the fork, but while the write runs the kernel
+  // copies every page training writes to (its activations and gradients too, not only
+  // the pieces), so the steps during the write pay more than kCopy's copy where cores are
+  // few. Pieces on a GPU: as kCopy.
+  kFork,
 };
 
 class AsyncCheckpointSaver {
  public:
-  explicit AsyncCheckpointSaver(CheckpointStaging staging = CheckpointStaging::kFork);
+  explicit AsyncCheckpointSaver(CheckpointStaging staging = CheckpointStaging::kCopy);
   // Waits for the save in flight; a failure it had is reported with TORCH_WARN (call wait()
   // to have it thrown).
   ~AsyncCheckpointSaver();

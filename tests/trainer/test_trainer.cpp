@@ -227,6 +227,26 @@ TEST(Trainer, RestartedRunEndsBitwiseEqualToUninterrupted) {
   expect_same_checkpoint(straight, restarted, steps, 2);
 }
 
+// --async-save writes the same checkpoints, byte for byte, as the synchronous saves, while
+// training goes on (the snapshot is the state after the step, not a later one).
+TEST(Trainer, AsyncSavesWriteTheSameCheckpointsAsSynchronousOnes) {
+  TempDir dir;
+  const std::string sync = (dir.path / "sync").string();
+  const std::string async = (dir.path / "async").string();
+  const std::string flags = "--steps 30 --save-every 10 --save ";
+  const ProgramRun reference = train("", flags + sync);
+  const ProgramRun run = train("", flags + async + " --async-save");
+  ASSERT_EQ(run.exit_code, reference.exit_code) << run.output;
+  EXPECT_TRUE(
+      contains(run.output, "saving " + checkpoint_dir_for_step(async, 10) + " in the background"))
+      << run.output;
+  for (int64_t step : {10, 20, 30}) expect_same_checkpoint(sync, async, step, 2);
+  const ProgramRun refused = train("", "--steps 2 --async-save --save " + async);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_TRUE(contains(refused.output, "--async-save writes the --save-every checkpoints"))
+      << refused.output;
+}
+
 // A command started in the background through /bin/sh, which execs it (the pid is the
 // command's), its output going to a file.
 class BackgroundRun {
