@@ -1,7 +1,7 @@
 // Saves stepped checkpoints under a root forever, from a first step on, until it is
 // killed: the ranks the killed-save tests interrupt. Run under hp-run, every rank writes
 // its shards of the fully_shard-ed model; rank 0 writes its pid to ROOT/rank0.pid. With
-// --async, an AsyncCheckpointSaver writes them in the background.
+// --async, an AsyncCheckpointSaver writes them in the background (from forked writers).
 // Usage: hp-run -n N -- sharded_checkpoint_saver ROOT FIRST_STEP [--async]
 #include <unistd.h>
 
@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
     std::rename((std::string(argv[1]) + "/rank0.pid.partial").c_str(),
                 (std::string(argv[1]) + "/rank0.pid").c_str());
   }
-  hp::AsyncCheckpointSaver saver;
+  // The forked writer: a killed rank must take its writer process with it.
+  hp::AsyncCheckpointSaver saver(hp::CheckpointStaging::kFork);
   const hp::testing::SaveCheckpoint save_in_background =
       [&saver](const std::string& dir, torch::nn::Module& module, const hp::StateDict& extra) {
         saver.save(dir, module, nullptr, extra);
