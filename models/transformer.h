@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "hyperparallel/activation_swap.h"
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/expert_parallel.h"
 #include "hyperparallel/fully_shard.h"
@@ -285,6 +286,8 @@ struct TransformerImpl : torch::nn::Module {
            : torch::arange(seq, tokens.options());
     at::Tensor h = tok_embeddings(tokens) + pos_embeddings(positions);
     for (size_t i = 0; i < layers.size(); ++i) {
+      std::optional<hp::SwapActivations> swapped;
+      if (i < swap_layers.size() && swap_layers[i]) swapped.emplace(activation_swap);
       if (i < recompute_layers.size() && recompute_layers[i]) {
         h = hp::recompute([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
                           {.impl = *recompute_layers[i]});
@@ -313,6 +316,11 @@ struct TransformerImpl : torch::nn::Module {
   // Activation recomputation of layer i when recompute_layers[i] is set (missing
   // entries: none).
   std::vector<std::optional<hp::RecomputeImpl>> recompute_layers;
+  // Activation swap of layer i when swap_layers[i] is set (missing entries: none): what
+  // the layer saves for backward (a recomputed layer: its input) goes to activation_swap
+  // and comes back ahead of the layer's backward.
+  std::vector<bool> swap_layers;
+  hp::ActivationSwap activation_swap;
 
  private:
   static const TransformerConfig& checked(const TransformerConfig& config) {

@@ -66,7 +66,8 @@ cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREF
   -DPython3_EXECUTABLE="$(command -v python3)" >"$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; fail "cmake could not configure (above)"; }
 grep -E "Torch|NCCL|HP_" "$build.configure.log" || true
-cmake --build "$build" -j "$(nproc)" --target test_cuda stream_check hp-run train_decoder hp_bench
+cmake --build "$build" -j "$(nproc)" --target test_cuda test_activation_swap_cuda stream_check \
+  hp-run train_decoder hp_bench
 
 step "GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
@@ -85,6 +86,12 @@ for communicate in 0 1; do
   grep -q "SKIPPED" "$out" && failed "the CUDA tests were skipped: this process sees no CUDA device"
   grep -q "PASSED" "$out" || failed "test_cuda passed nothing"
 done
+
+step "activation swap on one GPU: pinned host memory, side-stream copies (tests/recompute/test_activation_swap_cuda.cpp)"
+out=$(mktemp)
+"$build/tests/test_activation_swap_cuda" | tee "$out" || failed "test_activation_swap_cuda"
+grep -q "SKIPPED" "$out" && failed "the activation swap CUDA tests were skipped: no CUDA device"
+grep -q "PASSED" "$out" || failed "test_activation_swap_cuda passed nothing"
 
 # Each variant's printed losses, gradient norms and checksum must be bitwise equal across
 # the modes: the communication streams as they are, with delays injected on the lanes and

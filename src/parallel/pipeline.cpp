@@ -134,34 +134,6 @@ class StepRun {
     }
   }
 
-  // Posts what `action` will receive, when its size is known already.
-  void post_receive(const PipelineAction& action) {
-    Microbatch& mb = at(action);
-    if (action.kind == PipelineAction::kForward) {
-      if (is_first(action.chunk) || mb.received.pending()) return;
-      Shape& shape = shapes_[action.chunk];
-      if (!shape.known) {
-        if (!shape.record.defined()) {
-          shape.record = at::empty({kMaxDims + 2}, at::kLong);
-          shape.handle = recv(shape.record, previous_rank(), group_,
-                              tag(Message::kShape, stage(action.chunk) - 1, 0));
-        }
-        return;
-      }
-      note(trace::Kind::kIssue, "pp_recv", action);
-      mb.input = at::empty(
-          shape.sizes, at::TensorOptions().dtype(shape.dtype).device(chunks_[action.chunk].device));
-      mb.received = recv(mb.input, previous_rank(), group_,
-                         tag(Message::kActivation, stage(action.chunk) - 1, action.microbatch));
-    } else {
-      if (is_last(action.chunk) || mb.received.pending() || !mb.output.defined()) return;
-      note(trace::Kind::kIssue, "pp_recv", action);
-      mb.output_grad = at::empty_like(mb.output);
-      mb.received = recv(mb.output_grad, next_rank(), group_,
-                         tag(Message::kGradient, stage(action.chunk), action.microbatch));
-    }
-  }
-
   // Runs `action` once what it receives is here; the receive of `next` (null: none) goes
   // out before it computes.
   void run(const PipelineAction& action, const PipelineAction* next) {
@@ -190,6 +162,34 @@ class StepRun {
   }
 
  private:
+  // Posts what `action` will receive, when its size is known already.
+  void post_receive(const PipelineAction& action) {
+    Microbatch& mb = at(action);
+    if (action.kind == PipelineAction::kForward) {
+      if (is_first(action.chunk) || mb.received.pending()) return;
+      Shape& shape = shapes_[action.chunk];
+      if (!shape.known) {
+        if (!shape.record.defined()) {
+          shape.record = at::empty({kMaxDims + 2}, at::kLong);
+          shape.handle = recv(shape.record, previous_rank(), group_,
+                              tag(Message::kShape, stage(action.chunk) - 1, 0));
+        }
+        return;
+      }
+      note(trace::Kind::kIssue, "pp_recv", action);
+      mb.input = at::empty(
+          shape.sizes, at::TensorOptions().dtype(shape.dtype).device(chunks_[action.chunk].device));
+      mb.received = recv(mb.input, previous_rank(), group_,
+                         tag(Message::kActivation, stage(action.chunk) - 1, action.microbatch));
+    } else {
+      if (is_last(action.chunk) || mb.received.pending() || !mb.output.defined()) return;
+      note(trace::Kind::kIssue, "pp_recv", action);
+      mb.output_grad = at::empty_like(mb.output);
+      mb.received = recv(mb.output_grad, next_rank(), group_,
+                         tag(Message::kGradient, stage(action.chunk), action.microbatch));
+    }
+  }
+
   struct Microbatch {
     at::Tensor input, output, loss;      // kept from forward for backward
     at::Tensor output_grad, input_grad;  // the boundary gradients of the step

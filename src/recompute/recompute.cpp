@@ -38,12 +38,47 @@ struct SavedMeta {
 
 // --- non-reentrant: saved-tensor hooks --------------------------------------------
 
+// An input the rerun needs, kept as a tensor saved for backward is kept at this point: by
+// the saved-tensor hooks around the region (activation swap moves it off the device, an
+// enclosing recompute drops it), or as it is where there are none. PyTorch's
+// non-reentrant checkpoint saves its inputs the same way.
+class KeptInput {
+ public:
+  explicit KeptInput(const at::Tensor& input)
+      : requires_grad_(input.defined() && input.requires_grad()) {
+    if (input.defined()) {
+      hooks_ = torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks();
+    }
+    if (!hooks_) {
+      tensor_ = input;
+      return;
+    }
+    at::NoGradGuard no_grad;  // as autograd packs
+    hooks_->call_pack_hook(input);
+  }
+
+  at::Tensor get() {
+    if (!hooks_) return tensor_;
+    // Requiring grad as it did, the rerun saves what the forward saved.
+    at::Tensor value = hooks_->call_unpack_hook();
+    return requires_grad_ ? value.detach().requires_grad_() : value;
+  }
+
+ private:
+  bool requires_grad_;
+  std::unique_ptr<SavedVariableHooks> hooks_;
+  at::Tensor tensor_;
+};
+
 // One run of a region: what its forward saved (its metadata, not the tensors) and, after a
 // rerun, the tensors backward has not taken yet.
 class Region : public std::enable_shared_from_this<Region> {
  public:
-  Region(RecomputeFn fn, std::vector<at::Tensor> inputs, std::optional<detail::RngSnapshot> rng)
-      : fn_(std::move(fn)), inputs_(std::move(inputs)), rng_(std::move(rng)) {}
+  Region(RecomputeFn fn, const std::vector<at::Tensor>& inputs,
+         std::optional<detail::RngSnapshot> rng)
+      : fn_(std::move(fn)), rng_(std::move(rng)) {
+    for (const auto& input : inputs) inputs_.emplace_back(input);
+  }
 
   size_t note_saved(const at::Tensor& t) {
     saved_.emplace_back(t);
@@ -90,6 +125,8 @@ class Region : public std::enable_shared_from_this<Region> {
   }
 
   void recompute() {
+    std::vector<at::Tensor> inputs;
+    for (auto& input : inputs_) inputs.push_back(input.get());
     recomputed_.assign(saved_.size(), at::Tensor());
     collected_ = 0;
     {
@@ -98,7 +135,7 @@ class Region : public std::enable_shared_from_this<Region> {
       at::AutoGradMode grad(true);
       std::optional<detail::RngReplayScope> replay;
       if (rng_) replay.emplace(*rng_);
-      fn_(inputs_);
+      fn_(inputs);
     }
     if (collected_ != saved_.size()) {
       C10_THROW_ERROR(Error, "recompute: the recomputed region saved " +
@@ -110,7 +147,7 @@ class Region : public std::enable_shared_from_this<Region> {
   }
 
   RecomputeFn fn_;
-  std::vector<at::Tensor> inputs_;
+  std::vector<KeptInput> inputs_;
   std::optional<detail::RngSnapshot> rng_;
   std::vector<SavedMeta> saved_;
   std::vector<at::Tensor> recomputed_;

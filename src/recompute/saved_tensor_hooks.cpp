@@ -32,9 +32,10 @@ void install_hooks_engine() {
     using torch::autograd::Engine;
     if (&Engine::get_default_engine() != &Engine::get_base_engine()) {
       C10_THROW_ERROR(Error,
-                      "saved-tensor hooks (non-reentrant activation recomputation) need LibTorch's "
-                      "own autograd engine, but another one is installed (Python's, when torch is "
-                      "imported into this process); use RecomputeImpl::kReentrant there");
+                      "saved-tensor hooks (non-reentrant activation recomputation, activation "
+                      "swap) need LibTorch's own autograd engine, but another one is installed "
+                      "(Python's, when torch is imported into this process); use "
+                      "RecomputeImpl::kReentrant there, and no activation swap");
     }
     torch::autograd::set_default_engine_stub(&hooks_engine);
   });

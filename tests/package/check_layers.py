@@ -15,6 +15,7 @@ PUBLIC = {
     "process_group": "distributed", "comm_handle": "distributed", "collectives": "distributed",
     "mesh": "distributed", "launch_env": "distributed", "parallel_slice": "distributed",
     "trace": "trace", "deferred_init": "deferred_init", "recompute": "recompute",
+    "activation_swap": "recompute",
     "fully_shard": "fsdp", "policy": "fsdp", "placement": "fsdp", "sharded_parameter": "fsdp",
     "detail/sharded_forward": "fsdp",
     "tensor_parallel": "parallel", "context_parallel": "parallel", "expert_parallel": "parallel",
