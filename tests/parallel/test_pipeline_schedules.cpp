@@ -288,6 +288,50 @@ HP_DIST_TEST(PipelineSchedules, WithTwoFsdpRanksPerStage, 4) {
   }
 }
 
+// The same with every chunk kept unsharded through the step (reshard after neither forward
+// nor backward; the last backward reshards): one all-gather per chunk and step instead of
+// one per forward and backward, the same gradients.
+HP_DIST_TEST(PipelineSchedules, ChunksKeptUnshardedGatherOncePerStep, 4) {
+  auto world = testing::world();
+  DeviceMesh mesh(world, {{"pp", 2}, {"dp_shard", 2}});
+  const int64_t dp = mesh.coordinate("dp_shard");
+  const GroupPtr pp = mesh.group("pp");
+  const bool first = pp->rank() == 0, last = pp->rank() == 1;
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  constexpr int64_t kMicrobatches = 4;
+  std::map<bool, std::map<std::string, at::Tensor>> grads;
+  std::map<bool, int64_t> all_gathers;
+  for (bool keep : {false, true}) {
+    torch::manual_seed(42);
+    Mlp whole(kIn, kDim, kHidden, kOut, 2 * 2 * kBlocksPerStage);
+    RankStages mine = build(Kind::kInterleaved, whole, pp, kMicrobatches, mesh.slice({"dp_shard"}));
+    for (auto& fsdp : mine.fsdp) {
+      fsdp->set_reshard_after_forward(!keep);
+      fsdp->set_reshard_after_backward(!keep);
+    }
+    trace::start();
+    mine.schedule->step(first ? testing::local_batch(x, dp, 2) : at::Tensor(),
+                        last ? testing::local_batch(y, dp, 2) : at::Tensor());
+    for (const auto& event : trace::stop()) {
+      all_gathers[keep] += trace::describe(event).starts_with("AG issue");
+    }
+    for (auto& fsdp : mine.fsdp) {
+      EXPECT_EQ(fsdp->is_unsharded(), keep);
+      fsdp->reshard();
+    }
+    grads[keep] = stage_grads(mine);
+  }
+  std::printf("rank %lld: all-gathers per step %lld resharding, %lld kept unsharded\n",
+              static_cast<long long>(world->rank()), static_cast<long long>(all_gathers[false]),
+              static_cast<long long>(all_gathers[true]));
+  EXPECT_EQ(all_gathers[true], 2) << "one per chunk";
+  EXPECT_EQ(all_gathers[false], 2 * 2 * kMicrobatches) << "one per forward and backward";
+  for (const auto& [name, grad] : grads[true]) {
+    EXPECT_TRUE(torch::equal(grad, grads[false].at(name))) << name;
+  }
+}
+
 std::vector<std::string> names_of(const std::vector<PipelineAction>& actions) {
   std::vector<std::string> names;
   for (const auto& action : actions) names.push_back(to_string(action));
