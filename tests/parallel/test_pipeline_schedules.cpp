@@ -253,12 +253,16 @@ HP_DIST_TEST(PipelineSchedules, InterleavedIsBitwiseEqualToGPipeOnTwiceTheRanks,
   }
 }
 
-// 2 stages x 2 fully_shard ranks each (mesh {pp 2, dp_shard 2}): 1F1B and interleaved
-// against the reference on the global batch, one reduce-scatter per chunk and step.
-HP_DIST_TEST(PipelineSchedules, WithTwoFsdpRanksPerStage, 4) {
-  auto world = testing::world();
-  DeviceMesh mesh(world, {{"pp", 2}, {"dp_shard", 2}});
-  const int64_t dp = mesh.coordinate("dp_shard");
+// 2 stages over `mesh` ({pp 2, data-parallel dims...}), each chunk fully_shard-ed over the
+// data-parallel dims: 1F1B and interleaved against the reference on the global batch, one
+// reduce-scatter per chunk and step.
+void expect_stages_over_data_parallel_match(const DeviceMesh& mesh,
+                                            const std::vector<std::string>& dp_dims) {
+  int64_t dp = 0, dp_ranks = 1;
+  for (const auto& dim : dp_dims) {
+    dp = dp * mesh.size(dim) + mesh.coordinate(dim);
+    dp_ranks *= mesh.size(dim);
+  }
   const GroupPtr pp = mesh.group("pp");
   const bool first = pp->rank() == 0, last = pp->rank() == 1;
   torch::manual_seed(7);
@@ -268,24 +272,36 @@ HP_DIST_TEST(PipelineSchedules, WithTwoFsdpRanksPerStage, 4) {
     const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1;
     torch::manual_seed(42);
     Mlp whole(kIn, kDim, kHidden, kOut, chunks * 2 * kBlocksPerStage);
-    RankStages mine = build(kind, whole, pp, /*microbatches=*/2, mesh.slice({"dp_shard"}));
+    RankStages mine = build(kind, whole, pp, /*microbatches=*/2, mesh.slice(dp_dims));
     const Reference reference = reference_step(whole, chunks * 2, x, y);
     trace::start();
     const PipelineStepResult result =
-        mine.schedule->step(first ? testing::local_batch(x, dp, 2) : at::Tensor(),
-                            last ? testing::local_batch(y, dp, 2) : at::Tensor());
+        mine.schedule->step(first ? testing::local_batch(x, dp, dp_ranks) : at::Tensor(),
+                            last ? testing::local_batch(y, dp, dp_ranks) : at::Tensor());
     int64_t reduce_scatters = 0;
     for (const auto& event : trace::stop()) {
       reduce_scatters += trace::describe(event).starts_with("RS issue");
     }
     EXPECT_EQ(reduce_scatters, chunks) << "one reduction per chunk and step";
     at::Tensor loss = last ? result.loss : at::zeros({});
-    loss = testing::mean_over_ranks(loss) * 2;  // the last stage's 2 of 4 ranks hold losses
+    loss = testing::mean_over_ranks(loss) * 2;  // half of the ranks (the last stage's) hold one
     EXPECT_NEAR(loss.item<double>(), reference.loss.item<double>(), 1e-5) << "loss";
     for (const auto& [name, grad] : stage_grads(mine)) {
       EXPECT_TRUE(torch::allclose(grad, reference.grads.at(name), 0, 1e-5)) << name;
     }
   }
+}
+
+HP_DIST_TEST(PipelineSchedules, WithTwoFsdpRanksPerStage, 4) {
+  expect_stages_over_data_parallel_match(DeviceMesh(testing::world(), {{"pp", 2}, {"dp_shard", 2}}),
+                                         {"dp_shard"});
+}
+
+// HSDP inside each stage: mesh {pp 2, dp_replicate 2, dp_shard 2} on 8 ranks.
+HP_DIST_TEST(PipelineSchedules, WithHsdpPerStage, 8) {
+  expect_stages_over_data_parallel_match(
+      DeviceMesh(testing::world(), {{"pp", 2}, {"dp_replicate", 2}, {"dp_shard", 2}}),
+      {"dp_replicate", "dp_shard"});
 }
 
 // The same with every chunk kept unsharded through the step (reshard after neither forward
