@@ -1,6 +1,7 @@
 // Trains a byte-level decoder-only transformer (models/transformer.h) with fully_shard
 // (HSDP on a 2x2 mesh by default; with --tp, --cp, --ep and --experts also tensor,
-// context and expert parallelism: examples/trainer/parallel_layout.h) on text files:
+// context and expert parallelism: examples/trainer/parallel_layout.h; with --pp, pipeline
+// stages: examples/trainer/pipeline_stages.h) on text files:
 // training loss and throughput as it goes,
 // validation loss and perplexity every so often, a generated sample at the end. Exits 0
 // only if the final validation loss is below the corpus's unigram baseline. SIGTERM or
@@ -19,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -32,6 +34,7 @@
 #include "examples/trainer/loss_curve.h"
 #include "examples/trainer/metrics_log.h"
 #include "examples/trainer/parallel_layout.h"
+#include "examples/trainer/pipeline_stages.h"
 #include "examples/trainer/preemption.h"
 #include "examples/trainer/text_batches.h"
 #include "examples/trainer/text_corpus.h"
@@ -212,21 +215,23 @@ std::pair<at::Tensor, int64_t> next_byte_loss(Model& model, const hp::trainer::B
   const c10::Device device = layout.mesh.world()->device();  // fully_shard's, too
   const at::Tensor data = hp::shard_sequence(batch.data.to(device), layout.context_parallel);
   const at::Tensor target = hp::shard_sequence(batch.target.to(device), layout.context_parallel);
-  const at::Tensor logits = model(data);
   const at::Tensor loss =
-      hp::vocab_parallel_cross_entropy(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
-                                       target.reshape(-1), layout.tensor_parallel);
+      hp::trainer::next_byte_cross_entropy(model(data), target, layout.tensor_parallel);
   return {loss, target.numel()};
 }
 
+// A batch's mean loss and the bytes it averages; {undefined, 0} on a rank that computes
+// none (a pipeline rank without the last stage).
+using LossOf = std::function<std::pair<at::Tensor, int64_t>(const hp::trainer::Batch&)>;
+
 // Mean loss per byte over every rank's validation batches.
-template <typename Model>
-double validation_loss(Model& model, const std::vector<hp::trainer::Batch>& batches,
-                       const hp::trainer::ParallelLayout& layout, const hp::Group& all) {
+double validation_loss(const LossOf& loss_of, const std::vector<hp::trainer::Batch>& batches,
+                       const hp::Group& all) {
   torch::NoGradGuard no_grad;
   at::Tensor sums = torch::zeros({2}, torch::kDouble);  // loss sum, bytes
   for (const auto& batch : batches) {
-    const std::pair<at::Tensor, int64_t> loss = next_byte_loss(model, batch, layout);
+    const std::pair<at::Tensor, int64_t> loss = loss_of(batch);
+    if (loss.second == 0) continue;
     const int64_t bytes = loss.second;
     sums[0] += loss.first.item<double>() * static_cast<double>(bytes);
     sums[1] += static_cast<double>(bytes);
@@ -250,12 +255,14 @@ at::Tensor whole_logits(Model& model, const at::Tensor& tokens,
   return hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0].narrow(0, 0, length);
 }
 
+// The logits [vocab] of the byte after `tokens` [1, T], the same on every rank.
+using NextLogits = std::function<at::Tensor(const at::Tensor&)>;
+
 // `length` bytes after `prompt`, top-k sampled with a generator seeded alike on every
 // rank: the ranks compute the same logits, so they draw the same bytes and run the same
 // collectives.
-template <typename Model>
-std::string generate(Model& model, const std::string& prompt, int64_t length, int64_t context,
-                     uint64_t seed, const hp::trainer::ParallelLayout& layout) {
+std::string generate(const NextLogits& next_logits, const std::string& prompt, int64_t length,
+                     int64_t context, uint64_t seed) {
   torch::NoGradGuard no_grad;
   at::Generator generator = at::detail::createCPUGenerator(seed);
   std::vector<int64_t> tokens;
@@ -266,7 +273,7 @@ std::string generate(Model& model, const std::string& prompt, int64_t length, in
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
     const at::Tensor input =
         torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
-    const at::Tensor logits = whole_logits(model, input, layout)[-1].to(at::kCPU, at::kFloat) / 0.8;
+    const at::Tensor logits = next_logits(input).to(at::kCPU, at::kFloat) / 0.8;
     const auto [top, index] = logits.topk(8);
     const int64_t pick =
         torch::multinomial(torch::softmax(top, 0), 1, false, generator).item<int64_t>();
@@ -406,9 +413,8 @@ ModelSize size_of(Decoder& model) {
   return size;
 }
 
-// Each block, each MoE layer's experts (before their block, over the ranks orthogonal to
-// ep) and the root.
-void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLayout& layout) {
+hp::FullyShardOptions shard_options(const TrainOptions& o,
+                                    const hp::trainer::ParallelLayout& layout) {
   hp::FullyShardOptions options;
   options.mesh = layout.dense_mesh;
   if (o.mp == "bf16") {
@@ -416,6 +422,13 @@ void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLay
     options.mp_policy.reduce_dtype = at::kFloat;
   }
   options.comm_fusion = o.comm_fusion;
+  return options;
+}
+
+// Each block, each MoE layer's experts (before their block, over the ranks orthogonal to
+// ep) and the root.
+void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLayout& layout) {
+  const hp::FullyShardOptions options = shard_options(o, layout);
   hp::FullyShardOptions experts_options = options;
   experts_options.mesh = layout.experts_mesh;
   for (auto& layer : model->layers) {
@@ -554,12 +567,16 @@ struct StepResult {
   double grad_norm = 0;  // of the whole gradients, before clipping
 };
 
-StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
-                      const hp::trainer::Batch& batch, int64_t step, const TrainOptions& o,
-                      const hp::trainer::ParallelLayout& layout) {
+void set_learning_rate(torch::optim::AdamW& optimizer, const TrainOptions& o, int64_t step) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
   }
+}
+
+StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
+                      const hp::trainer::Batch& batch, int64_t step, const TrainOptions& o,
+                      const hp::trainer::ParallelLayout& layout) {
+  set_learning_rate(optimizer, o, step);
   optimizer.zero_grad();
   StepResult result;
   result.loss = next_byte_loss(model, batch, layout).first;
@@ -569,6 +586,60 @@ StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
       model->parameters(), o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
   optimizer.step();
   return result;
+}
+
+// The same through the pipeline's schedule (--pp).
+StepResult pipeline_train_step(hp::trainer::DecoderPipeline& pipeline,
+                               torch::optim::AdamW& optimizer, const hp::trainer::Batch& batch,
+                               int64_t step, const TrainOptions& o) {
+  set_learning_rate(optimizer, o, step);
+  optimizer.zero_grad();
+  StepResult result;
+  result.loss = pipeline.forward_backward(batch);
+  result.grad_norm = pipeline.clip_grad_norm(
+      o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
+  optimizer.step();
+  return result;
+}
+
+// How the run evaluates and samples its model: whole on every rank, or through the
+// pipeline's stages forward only (the last stage's results sent to the others).
+struct Evaluation {
+  LossOf loss_of;
+  NextLogits next_logits;
+};
+
+Evaluation evaluation_of(Decoder& model, const hp::trainer::ParallelLayout& layout) {
+  return {.loss_of =
+              [&model, &layout](const hp::trainer::Batch& batch) {
+                return next_byte_loss(model, batch, layout);
+              },
+          .next_logits =
+              [&model, &layout](const at::Tensor& tokens) {
+                return whole_logits(model, tokens, layout)[-1];
+              }};
+}
+
+Evaluation evaluation_of(hp::trainer::DecoderPipeline& pipeline,
+                         const hp::trainer::ParallelLayout& layout) {
+  return {.loss_of =
+              [&pipeline, &layout](const hp::trainer::Batch& batch) {
+                const at::Tensor logits = pipeline.logits(batch.data);
+                if (!logits.defined()) return std::pair<at::Tensor, int64_t>{at::Tensor(), 0};
+                const at::Tensor target = batch.target.to(logits.device());
+                return std::pair<at::Tensor, int64_t>{
+                    hp::trainer::next_byte_cross_entropy(logits, target, layout.tensor_parallel),
+                    target.numel()};
+              },
+          .next_logits =
+              [&pipeline, &layout](const at::Tensor& tokens) {
+                const at::Tensor logits = pipeline.logits(tokens);
+                at::Tensor next = pipeline.holds_last_stage()
+                                      ? logits[0][-1].to(at::kCPU, at::kFloat).contiguous()
+                                      : torch::empty({kVocab}, torch::kFloat);
+                hp::broadcast(next, layout.pipeline->size() - 1, *layout.pipeline).wait();
+                return next;
+              }};
 }
 
 // ---- Progress: the log lines, metrics.jsonl, throughput --------------------------------
@@ -674,6 +745,11 @@ void print_header(const TrainOptions& o, const Job& job, const TextData& data,
   std::printf("  ranks %lld, parameters %s full, %s on rank 0 (sharded)\n",
               static_cast<long long>(job.ranks), with_commas(size.params).c_str(),
               with_commas(local_params).c_str());
+  if (o.pp > 1) {
+    std::printf("  pipeline: %lld stages over %lld ranks, schedule %s, %lld microbatches\n",
+                static_cast<long long>(o.pp * o.virtual_stages), static_cast<long long>(o.pp),
+                o.pp_schedule.c_str(), static_cast<long long>(o.microbatches));
+  }
   std::printf("resolved configuration (usable as --config):\n%s\n", resolved.c_str());
   std::fflush(stdout);
 }
@@ -727,6 +803,18 @@ void print_summary(const TrainOptions& o, const Job& job, const TextData& data,
 
 // ---- The run ---------------------------------------------------------------------------
 
+// The two copies of the tied embedding (stage 0's and the last stage's) are the same, bit
+// for bit, on every data-parallel position; a failure if not.
+void check_tied_copies(hp::trainer::DecoderPipeline& pipeline, int64_t rank) {
+  if (!pipeline.tied_copies_equal()) {
+    throw std::runtime_error(
+        "the tied embedding's copies on the first and last pipeline stages differ");
+  }
+  if (rank == 0) {
+    std::printf("tied embedding: the first and last stages' copies are bitwise equal\n");
+  }
+}
+
 // The end of a run preempted after `step` (its last-words checkpoint, if any, written): 128 +
 // the signal, as a shell, Kubernetes or Slurm report a process the signal ended, so that a
 // restart policy sees "terminated, not done" and `--resume auto` continues.
@@ -753,15 +841,25 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
   Decoder model = deferred_decoder(o, layout);
   const ModelSize size = size_of(model);
-  shard(model, o, layout);
+  std::optional<hp::trainer::DecoderPipeline> pipeline;  // --pp: this rank's stages
+  if (o.pp > 1) {
+    pipeline.emplace(model, o, layout, shard_options(o, layout));
+  } else {
+    shard(model, o, layout);
+  }
   if (!o.save.empty()) check_writable("--save", o.save, job.rank, job.all());
   if (!o.export_dir.empty()) check_writable("--export", o.export_dir, job.rank, job.all());
   if (!o.out.empty()) check_writable("--out", o.out, job.rank, job.all());
   const std::string resume_from = checkpoint_to_resume(o, job.rank);
-  if (resume_from.empty()) hp::materialize(*model);  // a resumed run loads its values
-  print_header(o, job, data, size, numel_of(model->parameters()), resolved);
+  // A resumed run loads its values; the pipeline materialized its stages.
+  if (resume_from.empty() && !pipeline) hp::materialize(*model);
+  const std::vector<at::Tensor> parameters =
+      pipeline ? pipeline->parameters() : model->parameters();
+  print_header(o, job, data, size, numel_of(parameters), resolved);
+  const Evaluation evaluation =
+      pipeline ? evaluation_of(*pipeline, layout) : evaluation_of(model, layout);
 
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr));
+  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(o.lr));
   const int64_t done = resume_from.empty() ? 0 : resume(resume_from, model, optimizer, job.rank);
   const InjectedFault fault = fault_of_this_attempt(o, job.ranks);
   Summary summary;
@@ -780,8 +878,9 @@ int train(const TrainOptions& o, const std::string& resolved) {
     // The third step: the implicit prefetch order is known and warm-up allocations are done.
     const bool traced = !o.trace.empty() && step == done + 3;
     if (traced) hp::trace::start(job.world->device());
-    const StepResult result =
-        train_step(model, optimizer, data.batches->at_step(step), step, o, layout);
+    const hp::trainer::Batch batch = data.batches->at_step(step);
+    const StepResult result = pipeline ? pipeline_train_step(*pipeline, optimizer, batch, step, o)
+                                       : train_step(model, optimizer, batch, step, o, layout);
     if (traced) write_trace(o.trace, job.rank, hp::trace::stop());
 
     at::Tensor mean_loss = result.loss.detach().clone();
@@ -801,7 +900,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
           progress.measure(step, mean_loss.item<double>(), result.grad_norm);
       if (progress.evaluates(step)) {
         record.validation_loss = validation =
-            validation_loss(model, data.validation, layout, job.all());
+            validation_loss(evaluation.loss_of, data.validation, job.all());
       }
       progress.report(record);
     }
@@ -813,12 +912,13 @@ int train(const TrainOptions& o, const std::string& resolved) {
   if (!o.save.empty()) save(o, o.steps, model, optimizer, job);
   if (!o.export_dir.empty()) export_full(o.export_dir, model, optimizer, job);
   summary.validation_loss =
-      validation ? *validation : validation_loss(model, data.validation, layout, job.all());
+      validation ? *validation : validation_loss(evaluation.loss_of, data.validation, job.all());
   summary.learned = summary.validation_loss < data.unigram;
   if (o.sample_bytes > 0) {
-    summary.sample =
-        generate(model, o.prompt, o.sample_bytes, o.seq, static_cast<uint64_t>(o.seed), layout);
+    summary.sample = generate(evaluation.next_logits, o.prompt, o.sample_bytes, o.seq,
+                              static_cast<uint64_t>(o.seed));
   }
+  if (pipeline) check_tied_copies(*pipeline, job.rank);
   summary.peak_rss_mib = torch::empty({job.ranks}, torch::kFloat);
   hp::all_gather(summary.peak_rss_mib, torch::full({1}, peak_rss_mib(), torch::kFloat), job.all())
       .wait();

@@ -8,7 +8,8 @@ namespace {
 
 DeviceMesh trainer_mesh(const std::shared_ptr<World>& world, const TrainOptions& o) {
   check_world_size(o, world->size());
-  return DeviceMesh(world, {{"dp_replicate", o.replicate},
+  return DeviceMesh(world, {{"pp", o.pp},
+                            {"dp_replicate", o.replicate},
                             {"dp_shard", o.shard / o.ep},
                             {"ep", o.ep},
                             {"cp", o.cp},
@@ -18,11 +19,12 @@ DeviceMesh trainer_mesh(const std::shared_ptr<World>& world, const TrainOptions&
 }  // namespace
 
 void check_world_size(const TrainOptions& o, int64_t world_size) {
-  const int64_t ranks = o.replicate * o.shard * o.cp * o.tp;
+  const int64_t ranks = o.pp * o.replicate * o.shard * o.cp * o.tp;
   if (ranks != world_size) {
     throw std::invalid_argument(
-        "--mesh " + o.mesh + " x --cp " + std::to_string(o.cp) + " x --tp " + std::to_string(o.tp) +
-        " needs " + std::to_string(ranks) + " ranks, this run has " + std::to_string(world_size) +
+        (o.pp > 1 ? "--pp " + std::to_string(o.pp) + " x " : std::string()) + "--mesh " + o.mesh +
+        " x --cp " + std::to_string(o.cp) + " x --tp " + std::to_string(o.tp) + " needs " +
+        std::to_string(ranks) + " ranks, this run has " + std::to_string(world_size) +
         " (use hp-run -n " + std::to_string(ranks) + ", or change the degrees)");
   }
 }
@@ -33,6 +35,7 @@ ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const T
   mesh.flatten({"dp_shard", "cp"}, "dp_shard_cp");
   const bool replicated = o.replicate > 1;
   ParallelLayout layout{.mesh = mesh,
+                        .pipeline = mesh.group("pp"),
                         .tensor_parallel = mesh.group("tp"),
                         .context_parallel = mesh.group("cp"),
                         .expert_parallel = mesh.group("ep"),

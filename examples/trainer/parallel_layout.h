@@ -1,7 +1,8 @@
 #pragma once
 // How the trainer's ranks divide the work, on one mesh
-//   {dp_replicate R, dp_shard S / ep, ep, cp, tp}   (--mesh RxS, --ep, --cp, --tp)
-// (torchtitan's layout): ranks that differ in dp_replicate, dp_shard or ep read different
+//   {pp, dp_replicate R, dp_shard S / ep, ep, cp, tp}   (--pp, --mesh RxS, --ep, --cp, --tp)
+// (torchtitan's layout): pp ranks hold different stages of the model and read the same
+// batches; ranks that differ in dp_replicate, dp_shard or ep read different
 // batches; cp splits each sequence; tp splits heads, FFN units and the vocabulary. The
 // dense parameters are fully_shard-ed over dp_shard x ep x cp (replicated over
 // dp_replicate), the experts over dp_shard x cp (orthogonal to ep, which splits them).
@@ -16,6 +17,7 @@ namespace hp::trainer {
 
 struct ParallelLayout {
   DeviceMesh mesh;
+  GroupPtr pipeline;  // the ranks that differ only in their stage
   GroupPtr tensor_parallel, context_parallel, expert_parallel;
   int64_t data_rank = 0;    // which share of every global batch this rank reads ...
   int64_t data_ranks = 1;   // ... of this many

@@ -115,6 +115,26 @@ void add_layout_options(CLI::App& app, TrainOptions& o) {
                  "expert-parallel ranks, taken from the S shards: the experts split over them")
       ->check(CLI::PositiveNumber)
       ->group("Parallelism");
+  app.add_option("--pp", o.pp,
+                 "pipeline-parallel ranks (outermost: pp x R x S ranks): the decoder's layers "
+                 "split into stages over them, each stage fully_shard-ed over its R x S ranks")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
+  app.add_option("--pp-schedule", o.pp_schedule,
+                 "pipeline schedule under --pp: gpipe, 1f1b, interleaved (--virtual-stages >= 2); "
+                 "zero-bubble is refused (see docs/trainer.md)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zero-bubble"}))
+      ->group("Parallelism");
+  app.add_option("--microbatches", o.microbatches,
+                 "microbatches per step under --pp; must divide the batch per data-parallel "
+                 "rank (interleaved: a multiple of --pp)")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
+  app.add_option("--virtual-stages", o.virtual_stages,
+                 "model chunks per pipeline rank (interleaved: >= 2; else 1); --layers must "
+                 "divide into pp x virtual-stages stages")
+      ->check(CLI::PositiveNumber)
+      ->group("Parallelism");
 }
 
 // The mixture-of-experts layers (the "Model" group too).
@@ -224,6 +244,53 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
       ->group("Checkpoints");
 }
 
+// What --pp does not compose with, and the pipeline's own shape rules; empty when none.
+std::string pipeline_contradiction(const TrainOptions& o) {
+  const bool interleaved = o.pp_schedule == "interleaved";
+  if (o.pp_schedule == "zero-bubble") {
+    return "--pp-schedule zero-bubble is not available: LibTorch's autograd cannot split a "
+           "backward into input and weight halves without running the graph twice (the two "
+           "halves take 1.58x the whole backward, bench/pipeline_bench.cpp --split-backward), "
+           "more than the bubble it removes; use 1f1b or interleaved";
+  }
+  if (interleaved && o.virtual_stages < 2) {
+    return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline "
+           "rank), got " +
+           std::to_string(o.virtual_stages);
+  }
+  if (!interleaved && o.virtual_stages != 1) {
+    return "--virtual-stages " + std::to_string(o.virtual_stages) +
+           " needs --pp-schedule interleaved (" + o.pp_schedule + " runs one stage per rank)";
+  }
+  if (o.pp == 1) {
+    if (interleaved) return "--pp-schedule interleaved needs --pp >= 2";
+    return "";
+  }
+  const int64_t stages = o.pp * o.virtual_stages;
+  if (o.layers % stages != 0) {
+    return "--layers (" + std::to_string(o.layers) + ") must be divisible into --pp x " +
+           "--virtual-stages = " + std::to_string(stages) + " stages of equal layers";
+  }
+  if (interleaved && o.microbatches % o.pp != 0) {
+    return "--pp-schedule interleaved needs --microbatches (" + std::to_string(o.microbatches) +
+           ") to be a multiple of --pp (" + std::to_string(o.pp) + ")";
+  }
+  const int64_t data_ranks = o.replicate * o.shard;
+  if (o.batch % data_ranks == 0 && (o.batch / data_ranks) % o.microbatches != 0) {
+    return "--microbatches (" + std::to_string(o.microbatches) +
+           ") must divide the batch per data-parallel rank (--batch " + std::to_string(o.batch) +
+           " / " + std::to_string(data_ranks) + " = " + std::to_string(o.batch / data_ranks) + ")";
+  }
+  if (o.tp > 1 || o.cp > 1 || o.ep > 1 || o.experts > 0) {
+    return "--pp does not compose with --tp, --cp, --ep or --experts yet; drop one of them";
+  }
+  if (!o.save.empty() || !o.resume.empty() || !o.export_dir.empty()) {
+    return "--pp does not compose with --save, --resume or --export yet (checkpoints per "
+           "stage are not built); drop them";
+  }
+  return "";
+}
+
 // The first contradiction among options each valid alone; empty when there is none.
 std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   if (o.dim % o.heads != 0) {
@@ -267,6 +334,7 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
     return "--async-save writes the --save-every checkpoints in the background; give "
            "--save DIR --save-every N";
   }
+  if (const std::string message = pipeline_contradiction(o); !message.empty()) return message;
   if (!o.fail_ranks.empty() && o.fail_ranks.size() != o.fail_at_steps.size()) {
     return "--fail-rank is given " + std::to_string(o.fail_ranks.size()) +
            " times but --fail-at-step " + std::to_string(o.fail_at_steps.size()) +

@@ -34,6 +34,12 @@ struct TrainOptions {
   int64_t top_k = 2;           // experts per token
   double balance_loss = 0.01;  // load-balancing loss coefficient of the MoE layers
   std::string mp = "none";     // none | bf16
+  // Pipeline parallel: the layers split into pp x virtual_stages stages over pp ranks (the
+  // outermost mesh dimension), each batch into microbatches.
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved | zero-bubble (refused)
+  int64_t microbatches = 4;          // per data-parallel rank's batch, under --pp
+  int64_t virtual_stages = 1;        // stages per pipeline rank (interleaved: >= 2)
   bool comm_fusion = false;
   double timeout =
       0;  // seconds start-up and collectives wait for the others; 0: HP_TIMEOUT_S or 300
