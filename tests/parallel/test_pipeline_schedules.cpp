@@ -498,10 +498,11 @@ HP_DIST_TEST(PipelineSchedules, ATracedStepRunsTheTableWithReceivesPostedAhead, 
   }
 }
 
-// The bytes a stage holds when each forward starts (counting allocator): with S = 2 stages
-// and M = 8 microbatches, 1F1B holds the activations of S-1-r microbatches on rank r,
-// GPipe of up to M-1 (and then M).
-HP_DIST_TEST(PipelineSchedules, OneFOneBHoldsTheActivationsOfItsWarmUpOnly, 2) {
+// The bytes a rank holds when each forward starts (counting allocator), with S = 2 ranks
+// and M = 8 microbatches of 2-block stages: 1F1B holds the activations of S-1-r
+// microbatches on rank r, GPipe of up to M-1, and interleaved (2 chunks of 2 blocks per
+// rank) of its warm-up, (S-r-1)*2 + (V-1)*S chunk-microbatches.
+HP_DIST_TEST(PipelineSchedules, EachScheduleHoldsTheActivationsItsTableSays, 2) {
   auto& probe = testing::CpuMemoryProbe::installed();
   auto world = testing::world();
   const GroupPtr pp = world->world_group();
@@ -510,18 +511,23 @@ HP_DIST_TEST(PipelineSchedules, OneFOneBHoldsTheActivationsOfItsWarmUpOnly, 2) {
   torch::manual_seed(7);
   const at::Tensor x = torch::randn({32, kIn}), y = torch::randn({32, kOut});
   const auto held_at_forwards = [&](Kind kind) {
+    const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1, stages = chunks * ranks;
     torch::manual_seed(42);
-    Mlp whole(kIn, kDim, kHidden, kOut, ranks * kBlocksPerStage);
-    Stage module(whole, rank, ranks);
+    // Wide blocks: their activations dwarf the boundary gradients a step keeps.
+    Mlp whole(kIn, kDim, 8 * kHidden, kOut, stages * kBlocksPerStage);
     std::vector<int64_t> samples;
     int64_t baseline = 0;
-    PipelineStage part{.forward =
+    std::vector<PipelineStage> parts;
+    for (int64_t v = 0; v < chunks; ++v) {
+      Stage module(whole, v * ranks + rank, stages);
+      parts.push_back({.forward =
                            [&, module](const at::Tensor& input) mutable {
                              samples.push_back(probe.live() - baseline);
                              return module(input);
                            },
-                       .group = pp};
-    auto schedule = make_schedule(kind, {part}, kMicrobatches);
+                       .group = pp});
+    }
+    auto schedule = make_schedule(kind, std::move(parts), kMicrobatches);
     // A first step makes the gradients, which the measured one accumulates into.
     schedule->step(rank == 0 ? x : at::Tensor(), rank == 1 ? y : at::Tensor());
     samples.clear();
@@ -531,23 +537,31 @@ HP_DIST_TEST(PipelineSchedules, OneFOneBHoldsTheActivationsOfItsWarmUpOnly, 2) {
   };
   const std::vector<int64_t> gpipe = held_at_forwards(Kind::kGPipe);
   const std::vector<int64_t> one_f_one_b = held_at_forwards(Kind::kOneFOneB);
+  const std::vector<int64_t> interleaved = held_at_forwards(Kind::kInterleaved);
   ASSERT_EQ(gpipe.size(), static_cast<size_t>(kMicrobatches));
   ASSERT_EQ(one_f_one_b.size(), static_cast<size_t>(kMicrobatches));
-  // One microbatch's activations: what GPipe holds more at its second forward than at its
-  // first.
+  ASSERT_EQ(interleaved.size(), static_cast<size_t>(2 * kMicrobatches));
+  // One microbatch's activations (2 blocks): what GPipe holds more at its second forward
+  // than at its first.
   const int64_t one = gpipe[1] - gpipe[0];
+  const auto most = [](const std::vector<int64_t>& v) {
+    return *std::max_element(v.begin(), v.end()) - v.front();
+  };
   const int64_t warmup = ranks - 1 - rank;
-  const int64_t held = *std::max_element(one_f_one_b.begin(), one_f_one_b.end());
+  const int64_t interleaved_warmup = (ranks - rank - 1) * 2 + ranks;
   std::printf(
       "rank %lld: one microbatch %lld bytes; held at a forward: GPipe up to %lld, 1F1B up "
-      "to %lld (%lld microbatches of warm-up)\n",
+      "to %lld (warm-up %lld), interleaved up to %lld (warm-up %lld)\n",
       static_cast<long long>(rank), static_cast<long long>(one),
-      static_cast<long long>(gpipe.back()), static_cast<long long>(held),
-      static_cast<long long>(warmup));
-  ASSERT_GT(one, 1000) << "the activations dominate the bytes held";
-  EXPECT_GE(gpipe.back() - gpipe.front(), (kMicrobatches - 1) * one * 9 / 10);
-  // The boundary gradients a step returns stay too: a few hundred bytes.
-  EXPECT_LE(held - one_f_one_b.front(), warmup * one + one / 2);
+      static_cast<long long>(most(gpipe)), static_cast<long long>(most(one_f_one_b)),
+      static_cast<long long>(warmup), static_cast<long long>(most(interleaved)),
+      static_cast<long long>(interleaved_warmup));
+  ASSERT_GT(one, 8 * 1024) << "the activations dominate the bytes held";
+  EXPECT_GE(most(gpipe), (kMicrobatches - 1) * one * 9 / 10);
+  // The boundary gradients a step returns stay too: a few KiB.
+  EXPECT_LE(most(one_f_one_b), warmup * one + one / 2);
+  EXPECT_LE(most(interleaved), interleaved_warmup * one + one / 2);
+  EXPECT_GE(most(interleaved), (interleaved_warmup - 1) * one);
 }
 
 }  // namespace
