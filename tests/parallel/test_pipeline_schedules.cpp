@@ -17,6 +17,7 @@
 #include "error_of.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/expert_parallel.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/parallel_slice.h"
 #include "hyperparallel/pipeline.h"
@@ -384,6 +385,72 @@ HP_DIST_TEST(PipelineSchedules, WithTensorParallelStages, 4) {
     }
     EXPECT_GT(compared, 0);
   }
+}
+
+// An MLP with a mixture-of-experts layer per stage, its experts split over `ep` (null:
+// all local; the same parameters either way, expert_parallel.h draws them whole).
+struct MoeMlpImpl : torch::nn::Module {
+  MoeMlpImpl(int64_t stages, const GroupPtr& ep)
+      : input(register_module("input", torch::nn::Linear(kIn, kDim))) {
+    for (int64_t s = 0; s < stages; ++s) {
+      moe.push_back(register_module(
+          "moe" + std::to_string(s),
+          MoE(MoEOptions{.dim = kDim, .expert_hidden = 16, .num_experts = 4, .top_k = 2}, ep)));
+    }
+    head = register_module("head", torch::nn::Linear(kDim, kOut));
+  }
+  at::Tensor stage_forward(const at::Tensor& x, int64_t stage) {
+    at::Tensor h = stage == 0 ? input(x) : x;
+    h = h + moe[stage](h);
+    return stage == static_cast<int64_t>(moe.size()) - 1 ? head(h) : h;
+  }
+  torch::nn::Linear input, head{nullptr};
+  std::vector<MoE> moe;
+};
+TORCH_MODULE(MoeMlp);
+
+// Expert parallelism inside the stages: mesh {pp 2, ep 2}, the two ranks of a stage
+// taking halves of the batch (data-parallel for the dense weights, whose gradients the
+// test averages) and exchanging tokens with their experts in every microbatch's forward
+// and backward; every gradient against the plain model on the global batch.
+HP_DIST_TEST(PipelineSchedules, WithExpertParallelStages, 4) {
+  auto world = testing::world();
+  DeviceMesh mesh(world, {{"pp", 2}, {"ep", 2}});
+  const GroupPtr pp = mesh.group("pp"), ep = mesh.group("ep");
+  const bool first = pp->rank() == 0, last = pp->rank() == 1;
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  torch::manual_seed(42);
+  MoeMlp model(2, ep);
+  torch::manual_seed(42);
+  MoeMlp reference(2, nullptr);
+  torch::mse_loss(reference->stage_forward(reference->stage_forward(x, 0), 1), y).backward();
+  const int64_t stage = pp->rank();
+  OneFOneBSchedule schedule(
+      {.forward = [model,
+                   stage](const at::Tensor& h) mutable { return model->stage_forward(h, stage); },
+       .group = pp},
+      /*microbatches=*/2, testing::mse_loss);
+  const int64_t half = ep->rank();
+  schedule.step(first ? testing::local_batch(x, half, 2) : at::Tensor(),
+                last ? testing::local_batch(y, half, 2) : at::Tensor());
+  const auto expected = reference->named_parameters();
+  int64_t experts = 0;
+  for (const auto& item : model->named_parameters()) {
+    at::Tensor grad = item.value().grad();
+    if (!grad.defined()) continue;  // another stage's
+    at::Tensor want = expected[item.key()].grad();
+    if (auto slice = parallel_slice_of(item.value())) {
+      // Each rank's loss is a mean over its half: the experts' gradient sums both halves'.
+      want = slice_of(want, *slice) * 2;
+      ++experts;
+    } else {
+      grad = grad.clone();
+      all_reduce(grad, ReduceOp::kAvg, *ep).wait();
+    }
+    EXPECT_TRUE(torch::allclose(grad, want, 0, 1e-5)) << item.key();
+  }
+  EXPECT_EQ(experts, 3) << "w1, w3, w2 of this stage's experts";
 }
 
 // The same with every chunk kept unsharded through the step (reshard after neither forward
