@@ -50,6 +50,7 @@ struct Options {
   int64_t steps = 4;
   int64_t warmup = 1;
   bool split_backward = false;
+  std::string label;  // bench/run.sh's name of the run, copied into the result
 };
 
 double ms_between(Clock::time_point a, Clock::time_point b) {
@@ -174,6 +175,7 @@ int run_schedule(const Options& o) {
     }
     const double compute_ms = 3 * o.forward_ms * static_cast<double>(o.microbatches);
     const nlohmann::json result = {
+        {"label", o.label},
         {"schedule", o.schedule},
         {"stages", ranks},
         {"microbatches", o.microbatches},
@@ -242,7 +244,8 @@ int run_split_backward(const Options& o) {
     for (double x : v) sum += x;
     return sum / static_cast<double>(v.size());
   };
-  const nlohmann::json result = {{"split_backward", true},
+  const nlohmann::json result = {{"label", o.label},
+                                 {"split_backward", true},
                                  {"model", "2 decoder blocks, dim 512, ffn 2048, batch 8 x 128"},
                                  {"steps", o.steps},
                                  {"whole_ms", mean(whole_ms)},
@@ -264,6 +267,7 @@ int main(int argc, char** argv) {
   app.add_option("--activation-mib", o.activation_mib, "activations a stage keeps per microbatch");
   app.add_option("--steps", o.steps);
   app.add_option("--warmup", o.warmup);
+  app.add_option("--label", o.label, "a name for the run, copied into the result");
   app.add_flag("--split-backward", o.split_backward,
                "time a backward whole and split in halves instead (one process)");
   CLI11_PARSE(app, argc, argv);

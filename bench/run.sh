@@ -8,9 +8,10 @@
 # Sections: steps (step times), memory (peak RSS on 1, 2, 4 ranks against the ideal
 # ZeRO-3 model), beyond (a model bigger than one rank's memory limit), overhead
 # (scheduling overhead), netns (bandwidth-limited), checkpoint (how long a save blocks
-# training, synchronous vs async). --only runs the listed ones and rewrites only their
-# parts of the report (their sections and target rows); the rest of docs/performance.md
-# stays as it was.
+# training, synchronous vs async), pipeline (the pipeline schedules' step time, bubble and
+# activations held on 4 ranks, and the cost of a zero-bubble schedule's split backward).
+# --only runs the listed ones and rewrites only their parts of the report (their sections
+# and target rows); the rest of docs/performance.md stays as it was.
 #
 # Environment: BENCH_STEPS / BENCH_WARMUP (timed / warm-up steps of the transformer runs,
 # default 6 / 1), BENCH_NETNS=0 skips the bandwidth-limited run (it needs root),
@@ -18,12 +19,13 @@
 # 10: its efficiencies are differences of step times), BENCH_MEMORY_SEQ the sequence
 # length of the memory runs (default 16), BENCH_BEYOND_LIMIT_MIB the per-rank limit of the
 # beyond run (default 1280), BENCH_SAVES the timed saves of each kind in the checkpoint
-# run (default 5), BENCH_REPORT (default docs/performance.md). Raw results:
+# run (default 5), BENCH_PIPELINE_FORWARD_MS a pipeline stage's forward per microbatch
+# (default 80), BENCH_REPORT (default docs/performance.md). Raw results:
 # BUILD_DIR/bench/results/{SECTION.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint
+ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline
 BUILD=build
 SECTIONS=$ALL_SECTIONS
 COMMAND="make bench"
@@ -45,7 +47,7 @@ done
 [ "$SECTIONS" = "$ALL_SECTIONS" ] || COMMAND="scripts/in_env.sh bench/run.sh $BUILD --only $SECTIONS"
 # The report names the command; settings from the environment are part of it.
 for v in BENCH_STEPS BENCH_WARMUP BENCH_NETNS BENCH_RATE BENCH_NETNS_STEPS BENCH_MEMORY_SEQ \
-  BENCH_BEYOND_LIMIT_MIB BENCH_SAVES BENCH_GLIBC_TUNABLES; do
+  BENCH_BEYOND_LIMIT_MIB BENCH_SAVES BENCH_GLIBC_TUNABLES BENCH_PIPELINE_FORWARD_MS; do
   [ -z "${!v+x}" ] || COMMAND="$v=${!v} $COMMAND"
 done
 selected() { [[ ",$SECTIONS," == *",$1,"* ]]; }
@@ -56,6 +58,7 @@ NETNS_STEPS=${BENCH_NETNS_STEPS:-10}
 REPORT=${BENCH_REPORT:-docs/performance.md}
 OUT=$BUILD/bench/results
 HP_BENCH=$BUILD/bench/hp_bench
+PIPELINE_BENCH=$BUILD/bench/pipeline_bench
 PY_BENCH="python3 bench/fsdp2_bench.py"
 # Python's TCPStore (FSDP2 runs) needs the non-libuv backend in this torch build.
 export USE_LIBUV=0
@@ -68,7 +71,10 @@ export USE_LIBUV=0
 TIMING_MALLOC=${BENCH_GLIBC_TUNABLES-glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824}
 export GLIBC_TUNABLES=$TIMING_MALLOC
 
-for f in "$HP_BENCH" "$BUILD/hp-run"; do
+needed=("$BUILD/hp-run")
+[ "$SECTIONS" = pipeline ] || needed+=("$HP_BENCH")  # every section but pipeline runs it
+selected pipeline && needed+=("$PIPELINE_BENCH")
+for f in "${needed[@]}"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
 done
 mkdir -p "$OUT"
@@ -86,6 +92,7 @@ launch() {
   shift 2
   local tmp start=$SECONDS rc what=hp_bench
   [[ "$*" == *fsdp2_bench.py* ]] && what=fsdp2_bench
+  [[ "$*" == *pipeline_bench* ]] && what=pipeline_bench
   tmp=$(mktemp)
   "$BUILD/hp-run" -n "$n" --timeout 600 "${HPRUN_OPTS[@]}" -- "$@" --label "$label" >"$tmp" 2>&1
   rc=$?
@@ -222,6 +229,28 @@ section_checkpoint() {
   launch "checkpoint/d512L16/1x4" 4 "$HP_BENCH" $CHECKPOINT_MODEL --mesh 1x4 --steps 3 \
     --warmup 1 --deferred-init --checkpoint "$dir" --saves "${BENCH_SAVES:-5}"
   rm -rf "$dir"  # what a failed run left
+}
+
+# The pipeline schedules (include/hyperparallel/pipeline.h) on S = 4 ranks, M = 2S = 8
+# microbatches (GPipe, 1F1B, interleaved 1F1B with V = 2 chunks per rank) and M = S = 4
+# (1F1B, interleaved). A stage's compute is sleeping work of a fixed duration (forward F
+# ms per microbatch, backward 2F, split over a rank's chunks: bench/pipeline_bench.cpp),
+# so that 4 ranks on 2 cores run side by side as 4 devices would; transfers and waits are
+# real. F = 80 ms keeps the fixed cost of each action (a receive's round trip, thread
+# wake-ups, sleep overshoot: about 2 ms) a small share of it. Then, in one process, the
+# backward of two d512 decoder blocks whole and split into its input- and weight-gradient
+# halves, as a zero-bubble schedule runs it.
+PIPELINE_FORWARD_MS=${BENCH_PIPELINE_FORWARD_MS:-80}
+section_pipeline() {
+  echo "bench: pipeline schedules (4 ranks, forward ${PIPELINE_FORWARD_MS} ms per stage and microbatch)"
+  local run schedule m
+  for run in gpipe/8 1f1b/8 interleaved/8 1f1b/4 interleaved/4; do
+    schedule=${run%/*} m=${run#*/}
+    launch "pipeline/$schedule/m$m" 4 "$PIPELINE_BENCH" --schedule "$schedule" \
+      --microbatches "$m" --virtual-stages 2 --forward-ms "$PIPELINE_FORWARD_MS" \
+      --activation-mib 16 --steps 3 --warmup 1
+  done
+  launch "pipeline/split-backward" 1 "$PIPELINE_BENCH" --split-backward --steps 3 --warmup 1
 }
 
 # Each section writes its own results file, headed by a line saying how it was made.
