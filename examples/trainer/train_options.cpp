@@ -250,7 +250,7 @@ std::string pipeline_contradiction(const TrainOptions& o) {
   if (o.pp_schedule == "zero-bubble") {
     return "--pp-schedule zero-bubble is not available: LibTorch's autograd cannot split a "
            "backward into input and weight halves without running the graph twice (the two "
-           "halves take 1.58x the whole backward, bench/pipeline_bench.cpp --split-backward), "
+           "halves take about 1.5x the whole backward, bench/pipeline_bench.cpp --split-backward), "
            "more than the bubble it removes; use 1f1b or interleaved";
   }
   if (interleaved && o.virtual_stages < 2) {
