@@ -251,7 +251,7 @@ std::string pipeline_contradiction(const TrainOptions& o) {
     return "--pp-schedule zero-bubble is not available: LibTorch's autograd cannot split a "
            "backward into input and weight halves without running the graph twice (the two "
            "halves take about 1.5x the whole backward, bench/pipeline_bench.cpp --split-backward), "
-           "more than the bubble it removes; use 1f1b or interleaved";
+           "about as much as the bubble it removes; use 1f1b or interleaved";
   }
   if (interleaved && o.virtual_stages < 2) {
     return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline "
