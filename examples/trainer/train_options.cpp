@@ -263,7 +263,12 @@ std::string pipeline_contradiction(const TrainOptions& o) {
            " needs --pp-schedule interleaved (" + o.pp_schedule + " runs one stage per rank)";
   }
   if (o.pp == 1) {
-    if (interleaved) return "--pp-schedule interleaved needs --pp >= 2";
+    // Without a pipeline the pipeline flags mean nothing; their defaults (as a resolved
+    // configuration repeats them) are fine, another value is a mistake.
+    const TrainOptions defaults;
+    if (o.pp_schedule != defaults.pp_schedule || o.microbatches != defaults.microbatches) {
+      return "--pp-schedule and --microbatches set how a pipeline runs; they need --pp >= 2";
+    }
     return "";
   }
   const int64_t stages = o.pp * o.virtual_stages;

@@ -660,6 +660,7 @@ TEST(Trainer, PipelineMisuseIsAUsageError) {
       {"--pp 2 --pp-schedule interleaved", "needs --virtual-stages >= 2"},
       {"--pp 2 --virtual-stages 2", "--virtual-stages 2 needs --pp-schedule interleaved"},
       {"--pp 2 --pp-schedule zero-bubble", "--pp-schedule zero-bubble is not available"},
+      {"--microbatches 2", "they need --pp >= 2"},
       {"--pp 2 --tp 2", "--pp does not compose with --tp, --cp, --ep or --experts yet"},
       {"--pp 2 --save ckpt", "--pp does not compose with --save, --resume or --export yet"},
       {"--pp 2", "--pp 2 x --mesh 1x2 x --cp 1 x --tp 1 needs 4 ranks, this run has 2"}};
