@@ -292,6 +292,18 @@ void expect_stages_over_data_parallel_match(const DeviceMesh& mesh,
     for (const auto& [name, grad] : stage_grads(mine)) {
       EXPECT_TRUE(torch::allclose(grad, reference.grads.at(name), 0, 1e-5)) << name;
     }
+    // This rank's loss averages over its share of the batch: its boundary gradients are
+    // dp_ranks times its share of the global ones.
+    for (int64_t v = 0; v < chunks; ++v) {
+      const int64_t stage = v * 2 + pp->rank();
+      const auto expect_boundary = [&](const at::Tensor& actual, int64_t boundary) {
+        const at::Tensor expected =
+            dp_ranks * testing::local_batch(reference.boundary_grads[boundary], dp, dp_ranks);
+        EXPECT_TRUE(torch::allclose(actual, expected, 0, 1e-5)) << "boundary of stage " << boundary;
+      };
+      if (stage > 0) expect_boundary(result.input_grads[v], stage);
+      if (stage < chunks * 2 - 1) expect_boundary(result.output_grads[v], stage + 1);
+    }
   }
 }
 
