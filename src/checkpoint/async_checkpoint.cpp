@@ -4,7 +4,6 @@
 #include "hyperparallel/async_checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -128,17 +127,9 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
 void AsyncCheckpointSaver::save(const std::string& dir, torch::nn::Module& model,
                                 torch::optim::Optimizer* optimizer, const StateDict& extra) {
   wait();
-  c10::NoGradGuard no_grad;
-  const std::vector<detail::ModelParam> params = detail::model_params(model);
-  // Checked before the first collective, so that all ranks throw or none does.
-  for (const auto& p : params) {
-    if (p.shard) detail::require_sharded(*p.shard, p.name, detail::kCaller);
-  }
-  const std::shared_ptr<World> world = detail::world_of(params, detail::kCaller);
-  const Group* group = writer_->group_for(world);
-  writer_->start(
-      dir, detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0),
-      group);
+  detail::RankSave save = detail::rank_save(model, optimizer, extra, detail::kCaller);
+  const Group* group = writer_->group_for(save.world);
+  writer_->start(dir, std::move(save.pieces), group);
 }
 
 void AsyncCheckpointSaver::wait() {

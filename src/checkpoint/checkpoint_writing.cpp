@@ -2,6 +2,7 @@
 #include "checkpoint_writing.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <cstdio>
@@ -27,50 +28,6 @@ std::string rank_file(int64_t rank) {
   return name;
 }
 
-}  // namespace
-
-std::shared_ptr<World> world_of(const std::vector<ModelParam>& params, const std::string& caller) {
-  for (const auto& p : params) {
-    if (p.shard) return p.shard->world();
-  }
-  for (const auto& p : params) {
-    if (p.parallel_slice) {
-      C10_THROW_ERROR(
-          ValueError,
-          caller + ": '" + p.name +
-              "' is a parallel slice of a model that fully_shard does not manage, so the "
-              "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
-              "is fine) or save a full checkpoint");
-    }
-  }
-  return nullptr;
-}
-
-void on_every_rank(const Group* group, const std::string& caller, const std::string& what,
-                   const std::function<void()>& step) {
-  std::exception_ptr error;
-  try {
-    step();
-  } catch (const std::exception&) {
-    error = std::current_exception();
-  }
-  std::vector<int64_t> failed;
-  if (group && group->size() > 1) {
-    const at::Tensor mine = at::full({1}, error ? 1 : 0, at::kInt);
-    at::Tensor all = at::empty({group->size()}, at::kInt);
-    all_gather(all, mine, *group).wait();
-    for (int64_t r = 0; r < group->size(); ++r) {
-      if (all[r].item<int>() != 0) failed.push_back(r);
-    }
-  }
-  if (error) std::rethrow_exception(error);
-  if (failed.empty()) return;
-  std::string ranks;
-  for (int64_t r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  C10_THROW_ERROR(Error,
-                  caller + ": " + what + " failed on rank(s) " + ranks + " (their errors say why)");
-}
-
 // Collects what one rank writes.
 struct PieceList {
   std::vector<RankPiece> pieces;
@@ -85,8 +42,8 @@ struct PieceList {
   }
 };
 
-// Pieces several ranks hold alike (a parameter that is
-// not a parallel slice, on every rank of a tensor-parallel group) are indexed once.
+// What this rank writes. Pieces several ranks hold alike (a parameter that is not a
+// parallel slice, on every rank of a tensor-parallel group) are indexed once.
 std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
                                       torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                                       const StateDict& extra, bool is_rank0) {
@@ -136,6 +93,63 @@ std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
     for (const auto& item : extra) pieces.add_whole(kExtraPrefix + item.key(), item.value());
   }
   return std::move(pieces.pieces);
+}
+
+}  // namespace
+
+RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                   const StateDict& extra, const std::string& caller) {
+  c10::NoGradGuard no_grad;
+  const std::vector<ModelParam> params = model_params(model);
+  for (const auto& p : params) {
+    if (p.shard) require_sharded(*p.shard, p.name, caller.c_str());
+  }
+  RankSave save{world_of(params, caller), {}};
+  save.pieces =
+      pieces_of_rank(params, model, optimizer, extra, !save.world || save.world->rank() == 0);
+  return save;
+}
+
+std::shared_ptr<World> world_of(const std::vector<ModelParam>& params, const std::string& caller) {
+  for (const auto& p : params) {
+    if (p.shard) return p.shard->world();
+  }
+  for (const auto& p : params) {
+    if (p.parallel_slice) {
+      C10_THROW_ERROR(
+          ValueError,
+          caller + ": '" + p.name +
+              "' is a parallel slice of a model that fully_shard does not manage, so the "
+              "ranks cannot agree on the checkpoint; fully_shard the model (a shard size of 1 "
+              "is fine) or save a full checkpoint");
+    }
+  }
+  return nullptr;
+}
+
+void on_every_rank(const Group* group, const std::string& caller, const std::string& what,
+                   const std::function<void()>& step) {
+  std::exception_ptr error;
+  try {
+    step();
+  } catch (const std::exception&) {
+    error = std::current_exception();
+  }
+  std::vector<int64_t> failed;
+  if (group && group->size() > 1) {
+    const at::Tensor mine = at::full({1}, error ? 1 : 0, at::kInt);
+    at::Tensor all = at::empty({group->size()}, at::kInt);
+    all_gather(all, mine, *group).wait();
+    for (int64_t r = 0; r < group->size(); ++r) {
+      if (all[r].item<int>() != 0) failed.push_back(r);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  if (failed.empty()) return;
+  std::string ranks;
+  for (int64_t r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  C10_THROW_ERROR(Error,
+                  caller + ": " + what + " failed on rank(s) " + ranks + " (their errors say why)");
 }
 
 void write_rank_file(const std::string& path, const std::vector<RankPiece>& pieces) {

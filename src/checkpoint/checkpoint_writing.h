@@ -27,11 +27,17 @@ struct RankPiece {
   std::vector<int64_t> whole_shape;
 };
 
-// What this rank writes: one copy of every shard (HSDP replicas: replicate rank 0) and on
-// rank 0 everything kept whole. The tensors are the live ones (detached).
-std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
-                                      torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                                      const StateDict& extra, bool is_rank0);
+// What this rank saves of `model`, `optimizer` and `extra`: one copy of every shard (HSDP
+// replicas: replicate rank 0) and on rank 0 everything kept whole, the tensors the live
+// ones (detached); and the World the save is a collective over (null: this process
+// alone). Checks first, before any collective, that every fully_shard-ed parameter is
+// sharded (errors name `caller`), so that all ranks throw or none does.
+struct RankSave {
+  std::shared_ptr<World> world;
+  std::vector<RankPiece> pieces;
+};
+RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                   const StateDict& extra, const std::string& caller);
 
 // The World of the model's fully_shard-ed parameters; null when it has none (the calling
 // process saves and loads alone). Throws c10::ValueError naming `caller` for a model with

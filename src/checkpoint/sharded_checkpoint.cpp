@@ -4,7 +4,6 @@
 #include "hyperparallel/sharded_checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -23,9 +22,7 @@
 #include "../materialize/model_params.h"
 #include "checkpoint_index.h"
 #include "checkpoint_writing.h"
-#include "durable_files.h"
 #include "full_tensor_source.h"
-#include "hyperparallel/collectives.h"
 #include "safetensors_file.h"
 #include "state_io.h"
 
@@ -239,18 +236,10 @@ class ShardedCheckpointReader {
 void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
                              torch::optim::Optimizer* optimizer, const StateDict& extra) {
   const std::string caller = "save_sharded_checkpoint";
-  c10::NoGradGuard no_grad;
-  const std::vector<detail::ModelParam> params = detail::model_params(model);
-  // Checked before the first collective, so that all ranks throw or none does.
-  for (const auto& p : params) {
-    if (p.shard) detail::require_sharded(*p.shard, p.name, caller.c_str());
-  }
-  const std::shared_ptr<World> world = detail::world_of(params, caller);
-  const Group* group = world ? world->world_group().get() : nullptr;
-  const std::vector<detail::RankPiece> pieces =
-      detail::pieces_of_rank(params, model, optimizer, extra, !world || world->rank() == 0);
+  const detail::RankSave save = detail::rank_save(model, optimizer, extra, caller);
   detail::write_checkpoint(
-      dir, [&](const std::string& path) { detail::write_rank_file(path, pieces); }, group, caller);
+      dir, [&](const std::string& path) { detail::write_rank_file(path, save.pieces); },
+      save.world ? save.world->world_group().get() : nullptr, caller);
 }
 
 StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,

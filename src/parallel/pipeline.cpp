@@ -92,10 +92,6 @@ std::vector<PipelineAction> one_f_one_b_order(int64_t rank, int64_t ranks, int64
   return order;
 }
 
-std::string chunk_and_microbatch(const PipelineAction& action) {
-  return std::to_string(action.chunk) + "." + std::to_string(action.microbatch);
-}
-
 // A trace event of `action` ("pp_recv issue B0.2": the receive of that backward), when
 // tracing.
 void note(trace::Kind kind, std::string_view op, const PipelineAction& action) {
@@ -341,7 +337,8 @@ class StepRun {
 }  // namespace
 
 std::string to_string(const PipelineAction& action) {
-  return (action.kind == PipelineAction::kForward ? "F" : "B") + chunk_and_microbatch(action);
+  return (action.kind == PipelineAction::kForward ? "F" : "B") + std::to_string(action.chunk) +
+         "." + std::to_string(action.microbatch);
 }
 
 PipelineSchedule::PipelineSchedule(std::vector<PipelineStage> chunks, int64_t microbatches,
