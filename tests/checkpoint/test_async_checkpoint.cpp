@@ -50,17 +50,19 @@ void expect_training_goes_on_while_the_snapshot_is_written(CheckpointStaging sta
   const auto save_started = Clock::now();
   saver.save(checkpoint, *model, &opt, extra);
   const double blocked = seconds_since(save_started);
-  // The same number of steps on both ranks (they are collectives); counted while busy.
+  // The same number of steps on both ranks (they are collectives); counted when they
+  // begin while the write is under way (how many end before it finishes depends on the
+  // disk's speed against the step's).
   int steps_while_writing = 0;
   for (int step = 0; step < 5; ++step) {
-    train_one_step(model, opt);
     steps_while_writing += saver.busy();
+    train_one_step(model, opt);
   }
   extra["ballast"].zero_();
   saver.wait();
   const double written = seconds_since(save_started);
   std::printf(
-      "rank %lld, %s: save() blocked %.3f s; written after %.3f s; %d of 5 steps ran while "
+      "rank %lld, %s: save() blocked %.3f s; written after %.3f s; %d of 5 steps began while "
       "writing\n",
       static_cast<long long>(world->rank()), name_of(staging), blocked, written,
       steps_while_writing);
