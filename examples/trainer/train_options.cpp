@@ -162,6 +162,18 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
   app.add_flag("--comm-fusion", o.comm_fusion,
                "one all-gather / reduce-scatter per module instead of per parameter")
       ->group("Parallelism");
+  app.add_option("--ag-codec", o.ag_codec,
+                 "parameter all-gathers send int8 or fp8 blocks (one byte per value plus an "
+                 "fp32 scale per --codec-block values); the optimizer still steps fp32 shards")
+      ->check(CLI::IsMember({"none", "int8", "fp8"}))
+      ->group("Parallelism");
+  app.add_option("--rs-codec", o.rs_codec,
+                 "gradient reduce-scatters send int8 or fp8 blocks, summed in fp32 on arrival")
+      ->check(CLI::IsMember({"none", "int8", "fp8"}))
+      ->group("Parallelism");
+  app.add_option("--codec-block", o.codec_block, "values per quantization scale")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->group("Parallelism");
   app.add_option("--timeout", o.timeout,
                  "seconds start-up and every collective wait for the other ranks before failing "
                  "(naming the ranks that did not arrive); 0: HP_TIMEOUT_S from the environment, "
@@ -328,6 +340,15 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   if (o.heads % o.tp != 0) {
     return "--tp (" + std::to_string(o.tp) + ") must divide --heads (" + std::to_string(o.heads) +
            ")";
+  }
+  const bool quantized = o.ag_codec != "none" || o.rs_codec != "none";
+  if (quantized && o.shard == 1) {
+    return std::string(o.ag_codec != "none" ? "--ag-codec" : "--rs-codec") +
+           " quantizes the collectives among the shards of --mesh, and there is one shard: "
+           "nothing would be quantized";
+  }
+  if (!quantized && app.count("--codec-block") > 0) {
+    return "--codec-block applies to quantized collectives: give --ag-codec or --rs-codec";
   }
   if (o.resume == "auto" && o.save.empty()) {
     return "--resume auto needs --save DIR (the checkpoints it looks for)";

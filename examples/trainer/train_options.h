@@ -41,6 +41,10 @@ struct TrainOptions {
   int64_t microbatches = 4;          // per data-parallel rank's batch, under --pp
   int64_t virtual_stages = 1;        // stages per pipeline rank (interleaved: >= 2)
   bool comm_fusion = false;
+  // Quantized collectives (hp::CommPolicy): none | int8 | fp8, and values per scale.
+  std::string ag_codec = "none";
+  std::string rs_codec = "none";
+  int64_t codec_block = 256;
   double timeout =
       0;  // seconds start-up and collectives wait for the others; 0: HP_TIMEOUT_S or 300
   std::string recompute = "none";  // activation recomputation: none | reentrant | non-reentrant

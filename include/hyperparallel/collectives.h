@@ -51,4 +51,26 @@ CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int t
 CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag = 0);
 CommHandle barrier(const Group& group);
 
+// Bytes this rank sent in the collectives above since the process started (or the last
+// reset_wire_bytes), counted when each is issued on a group of more than one rank (n),
+// as the usual algorithms move them: an all-gather sends its input to n - 1 ranks (a
+// ring forwards n - 1 chunks), a reduce-scatter and an all-to-all the (n - 1) / n of
+// their input meant for others, an all-reduce 2 (n - 1) / n of its tensor (a ring:
+// reduce-scatter then all-gather), a broadcast's root the tensor to n - 1 ranks, a send
+// its tensor. Quantized collectives count as the all-gather and all-to-all of bytes they
+// issue. Safe to read while other threads communicate.
+struct WireBytes {
+  int64_t all_gather = 0;
+  int64_t reduce_scatter = 0;
+  int64_t all_reduce = 0;
+  int64_t all_to_all = 0;
+  int64_t broadcast = 0;
+  int64_t send = 0;
+  int64_t total() const {
+    return all_gather + reduce_scatter + all_reduce + all_to_all + broadcast + send;
+  }
+};
+WireBytes wire_bytes();
+void reset_wire_bytes();
+
 }  // namespace hp

@@ -53,6 +53,7 @@ struct FullyShardOptions {
       shard_placement_fn;
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
+  CommPolicy comm_policy;
   // Left exactly as they are: not sharded, not reduced.
   std::vector<at::Tensor> ignored_params;
   // Kept whole on every rank; gradients all-reduced over the data-parallel ranks. The same

@@ -3,7 +3,10 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <optional>
+
+#include "hyperparallel/comm_codec.h"
 
 namespace hp {
 
@@ -27,6 +30,22 @@ struct OffloadPolicy {
   bool offload = false;
   // Pin the host copies (only where CUDA exists: pinning needs a CUDA context).
   bool pin_memory = true;
+};
+
+// What fully_shard's collectives move (comm_codec.h); off by default. A quantized
+// all-gather sends each rank's shard as blocks of one-byte codes and dequantizes them into
+// the unsharded parameter (param_dtype): forward and backward use the quantized weights,
+// while the optimizer still steps the full-precision shard. A quantized reduce-scatter
+// sends each peer its part of the gradient the same way (all-to-all) and sums what it
+// receives in fp32, in rank order. Both hold per-parameter and with comm_fusion, and
+// within the smaller group of an integer reshard_after_forward (whose backward
+// all-gather quantizes again the values the forward one dequantized). HSDP's all-reduce
+// across replicas is not quantized: a ring all-reduce would quantize again at every hop.
+struct CommPolicy {
+  CommCodec all_gather_codec = CommCodec::kNone;
+  CommCodec reduce_scatter_codec = CommCodec::kNone;
+  // Values per fp32 scale: 256 costs 4 bytes per 256 one-byte codes (1.6%).
+  int64_t block_size = 256;
 };
 
 }  // namespace hp

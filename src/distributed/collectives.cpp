@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cctype>
 #include <numeric>
 #include <optional>
@@ -15,6 +17,24 @@
 
 namespace hp {
 namespace {
+
+// Indexed as WireBytes' fields.
+enum WireCounter {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kAllToAll,
+  kBroadcast,
+  kSend,
+  kCounters
+};
+std::array<std::atomic<int64_t>, kCounters> wire_counters{};
+
+void count_sent(WireCounter counter, int64_t bytes) {
+  wire_counters[counter].fetch_add(bytes, std::memory_order_relaxed);
+}
+
+int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.nbytes()); }
 
 void require(bool condition, const std::string& message) {
   if (!condition) C10_THROW_ERROR(ValueError, message);
@@ -213,6 +233,7 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
   auto flat = flat_views_to_communicate(output, input, group);
   if (!flat) return {};
   auto [out_flat, in_flat] = *flat;
+  count_sent(kAllGather, bytes_of(in_flat) * (group.size() - 1));
   Transport transport(group, input);
   at::Tensor out = transport.output(out_flat);
   at::Tensor in = transport.input(in_flat);
@@ -228,6 +249,7 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
   auto flat = flat_views_to_communicate(output, input, group);
   if (!flat) return {};
   auto [out_flat, in_flat] = *flat;
+  count_sent(kReduceScatter, bytes_of(in_flat) / group.size() * (group.size() - 1));
   Transport transport(group, input);
   if (transport.backend().getBackendName() == "gloo") {
     return reduce_scatter_by_all_to_all(out_flat, in_flat, op, group);
@@ -245,6 +267,7 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   require_contiguous(tensor, "all_reduce", "tensor");
   if (!group.communicates()) return {};
+  count_sent(kAllReduce, 2 * bytes_of(tensor) / group.size() * (group.size() - 1));
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::AllreduceOptions options;
@@ -281,6 +304,10 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
     output.copy_(input);
     return {};
   }
+  const int64_t row_bytes = input.size(0) == 0 ? 0 : bytes_of(input) / input.size(0);
+  const int64_t own_rows =
+      input_splits.empty() ? input.size(0) / group.size() : input_splits[group.rank()];
+  count_sent(kAllToAll, (input.size(0) - own_rows) * row_bytes);
   Transport transport(group, input);
   at::Tensor out = transport.output(output);
   at::Tensor in = transport.input(input);
@@ -293,6 +320,7 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   require_contiguous(tensor, "broadcast", "tensor");
   check_peer(src, group, "broadcast");
   if (!group.communicates()) return {};
+  if (src == group.rank()) count_sent(kBroadcast, bytes_of(tensor) * (group.size() - 1));
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor, /*read_too=*/true)};
   c10d::BroadcastOptions options;
@@ -304,6 +332,7 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
   check_point_to_point(tensor, dst, group, "send", "send to");
+  count_sent(kSend, bytes_of(tensor));
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.input(tensor)};
   auto work = transport.backend().send(tensors, static_cast<int>(dst), tag);
@@ -324,6 +353,16 @@ CommHandle barrier(const Group& group) {
   const c10::DeviceType on = group.has_cpu_backend() ? c10::kCPU : group.device().type();
   c10d::Backend& backend = group.backend(on);
   return CommHandle::from_work(backend.barrier(), {}, group.on_failure("barrier", backend));
+}
+
+WireBytes wire_bytes() {
+  const auto read = [](WireCounter c) { return wire_counters[c].load(std::memory_order_relaxed); };
+  return {read(kAllGather), read(kReduceScatter), read(kAllReduce),
+          read(kAllToAll),  read(kBroadcast),     read(kSend)};
+}
+
+void reset_wire_bytes() {
+  for (auto& counter : wire_counters) counter.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace hp

@@ -7,6 +7,7 @@
 
 #include "../distributed/tensor_storage.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/quantized_collectives.h"
 
 namespace hp::detail {
 namespace {
@@ -66,11 +67,27 @@ CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) 
   return CommHandle::after(std::move(parts), {});
 }
 
+// The all-gather or reduce-scatter the policy asks for.
+CommHandle gather(const at::Tensor& output, const at::Tensor& input, const Group& group,
+                  const CommPolicy& policy) {
+  if (policy.all_gather_codec == CommCodec::kNone) return all_gather(output, input, group);
+  return quantized_all_gather(output, input, group, policy.all_gather_codec, policy.block_size);
+}
+
+CommHandle scatter(const at::Tensor& output, const at::Tensor& input, const Group& group,
+                   const CommPolicy& policy) {
+  if (policy.reduce_scatter_codec == CommCodec::kNone) {
+    return reduce_scatter(output, input, ReduceOp::kSum, group);
+  }
+  return quantized_reduce_scatter(output, input, ReduceOp::kSum, group, policy.reduce_scatter_codec,
+                                  policy.block_size);
+}
+
 }  // namespace
 
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
-                                  bool comm_fusion) {
+                                  bool comm_fusion, const CommPolicy& policy) {
   c10::NoGradGuard no_grad;
   AllGatherResult result;
   for (const CommBuffer& input : inputs) {
@@ -84,7 +101,7 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
         for (size_t i = 0; i < params.size(); ++i) {
           result.outputs.push_back(params[i]->all_gather_output());
           if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
-          gathers.push_back(all_gather(result.outputs.back(), inputs[i].tensor, group));
+          gathers.push_back(gather(result.outputs.back(), inputs[i].tensor, group, policy));
         }
       } catch (...) {
         wait_issued(gathers);
@@ -110,7 +127,7 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   }
   result.temporaries.push_back(input);
   result.temporaries.push_back(output);
-  result.handle = all_gather(output.view(-1), input, group);
+  result.handle = gather(output.view(-1), input, group, policy);
   return result;
 }
 
@@ -134,7 +151,8 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype) {
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         double divide_before, bool comm_fusion, bool keep_grads,
+                                         double divide_before, bool comm_fusion,
+                                         const CommPolicy& policy, bool keep_grads,
                                          ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
   ReduceScatterResult result;
@@ -164,7 +182,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     }
     if (divide_before != 1.0) input.div_(divide_before);
     result.inputs.push_back({input.view(-1), /*owned=*/true});
-    result.handle = reduce_scatter(result.buffer, input.view(-1), ReduceOp::kSum, group);
+    result.handle = scatter(result.buffer, input.view(-1), group, policy);
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);
@@ -180,7 +198,7 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
         grads[i] = at::Tensor();
         at::Tensor slot =
             result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-        reduce_scatters.push_back(reduce_scatter(slot, part.tensor, ReduceOp::kSum, group));
+        reduce_scatters.push_back(scatter(slot, part.tensor, group, policy));
         result.inputs.push_back(std::move(part));
       }
     } catch (...) {

@@ -12,6 +12,7 @@
 #include "comm_streams.h"
 #include "fsdp_param.h"
 #include "hyperparallel/comm_handle.h"
+#include "hyperparallel/policy.h"
 #include "hyperparallel/process_group.h"
 
 namespace hp::detail {
@@ -39,9 +40,11 @@ struct AllGatherResult {
 // (one coalesced group where the backend has them: NCCL; Gloo runs them one by one),
 // straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
 // copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather.
+// With policy.all_gather_codec each all-gather moves quantized blocks instead (a shard,
+// or the fused buffer, quantized as one row).
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
-                                  bool comm_fusion);
+                                  bool comm_fusion, const CommPolicy& policy);
 
 // After result.handle completed: every parameter's unsharded tensor holds its whole
 // value (copy-out where the all-gather did not land in place, on the compute stream);
@@ -77,11 +80,13 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // comm_fusion lays all of them out rank-major in one input (releasing each gradient's
 // own input as soon as it is copied) and issues one reduce-scatter into the buffer.
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
-// other than the one that made them reads them (CommStreams).
+// other than the one that made them reads them (CommStreams). With
+// policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead.
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         double divide_before, bool comm_fusion, bool keep_grads,
+                                         double divide_before, bool comm_fusion,
+                                         const CommPolicy& policy, bool keep_grads,
                                          ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,

@@ -24,11 +24,12 @@ CommHandle divided_when_done(CommHandle handle, at::Tensor result, double factor
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
                                std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
-                               bool comm_fusion)
+                               bool comm_fusion, CommPolicy comm_policy)
     : params_(std::move(params)),
       replicated_(std::move(replicated)),
       mesh_info_(std::move(mesh_info)),
       comm_fusion_(comm_fusion),
+      comm_policy_(comm_policy),
       streams_(std::make_shared<CommStreams>(mesh_info_.world->device())) {
   if (comm_fusion_) {
     for (const auto& p : params_) {
@@ -143,8 +144,8 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   } else {
     for (FSDPParam* p : params) inputs.push_back(p->all_gather_input());
   }
-  auto result = std::make_shared<AllGatherResult>(
-      all_gather_params(params, inputs, *group, comm_fusion_ && group == mesh_info_.shard.get()));
+  auto result = std::make_shared<AllGatherResult>(all_gather_params(
+      params, inputs, *group, comm_fusion_ && group == mesh_info_.shard.get(), comm_policy_));
   result->handle = streams_->complete_on_lane(Lane::kAllGather, std::move(result->handle));
   return CommHandle::after({result->handle}, [this, params, result] {
     if (state_ != State::kPending) return;
@@ -245,7 +246,7 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
-                                   divide.before, comm_fusion_,
+                                   divide.before, comm_fusion_, comm_policy_,
                                    /*keep_grads=*/streams_->active(), stats_);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones. On a GPU the division runs on the lane too.

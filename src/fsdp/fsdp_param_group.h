@@ -51,7 +51,8 @@ struct ReduceSettings {
 class FSDPParamGroup {
  public:
   FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
-                 std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info, bool comm_fusion);
+                 std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info, bool comm_fusion,
+                 CommPolicy comm_policy);
 
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   std::vector<ReplicatedParam>& replicated() { return replicated_; }
@@ -134,6 +135,7 @@ class FSDPParamGroup {
   std::vector<ReplicatedParam> replicated_;
   FSDPMeshInfo mesh_info_;
   bool comm_fusion_;
+  CommPolicy comm_policy_;
   std::string label_ = "module";
   State state_ = State::kSharded;
   CommHandle pending_unshard_;

@@ -12,6 +12,9 @@ namespace hp {
 std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
                                     FullyShardOptions options) {
   TORCH_CHECK_VALUE(!modules.empty(), "fully_shard needs at least one module");
+  TORCH_CHECK_VALUE(options.comm_policy.block_size > 0,
+                    "comm_policy.block_size must be > 0 (values per quantization scale), got ",
+                    options.comm_policy.block_size);
   std::vector<detail::ModulePtr> module_ptrs;
   std::vector<std::weak_ptr<torch::nn::Module>> roots;
   for (const auto& m : modules) {
@@ -28,7 +31,8 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   detail::move_states_to_mesh_device(module_ptrs, managed.replicated, mesh_info.world->device());
 
   auto param_group = std::make_unique<detail::FSDPParamGroup>(
-      std::move(managed.sharded), std::move(managed.replicated), mesh_info, options.comm_fusion);
+      std::move(managed.sharded), std::move(managed.replicated), mesh_info, options.comm_fusion,
+      options.comm_policy);
   param_group->set_post_forward_group(post_forward_group);
   auto state = std::make_shared<detail::FSDPState>(
       std::move(param_group), options.mp_policy, reshard_after_forward,

@@ -13,6 +13,7 @@ LAYERS = ["distributed", "trace", "deferred_init", "recompute", "fsdp", "paralle
 # The folder implementing each public header.
 PUBLIC = {
     "process_group": "distributed", "comm_handle": "distributed", "collectives": "distributed",
+    "comm_codec": "distributed", "quantized_collectives": "distributed",
     "mesh": "distributed", "launch_env": "distributed", "parallel_slice": "distributed",
     "trace": "trace", "deferred_init": "deferred_init", "recompute": "recompute",
     "activation_swap": "recompute",

@@ -1,0 +1,27 @@
+#pragma once
+// all_gather and reduce_scatter that move quantized blocks (comm_codec.h) instead of
+// the values: one byte per value plus 4 bytes per block, against 4 for fp32 and 2 for
+// bf16. The arithmetic is defined, so every rank gets the same values, and the same as
+// quantize_blocks / dequantize_blocks done in one process on the whole tensors give. On a
+// group of one rank nothing travels and nothing is quantized.
+
+#include <ATen/core/Tensor.h>
+
+#include "hyperparallel/collectives.h"
+#include "hyperparallel/comm_codec.h"
+
+namespace hp {
+
+// As all_gather: output (contiguous, group size x input numel, the input's dtype) <- the
+// inputs of all ranks, each quantized as one row and dequantized again (this rank's
+// own part too, so that all ranks hold the same values).
+CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, const Group& group,
+                                CommCodec codec, int64_t block_size);
+
+// As reduce_scatter with kSum or kAvg: each rank quantizes the chunk of its input meant
+// for each peer (one row per peer), sends it by all-to-all, and the owner dequantizes
+// the chunks it received and sums them in fp32, in group-rank order (deterministic).
+CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
+                                    const Group& group, CommCodec codec, int64_t block_size);
+
+}  // namespace hp

@@ -1,0 +1,137 @@
+// Quantized all-gather and reduce-scatter on 1-4 ranks, uneven sizes, both codecs and an
+// HSDP mesh's groups: bitwise what quantize_blocks / dequantize_blocks give in one
+// process on the whole tensors.
+#include <torch/torch.h>
+
+#include "distributed_test.h"
+#include "error_of.h"
+#include "hyperparallel/mesh.h"
+#include "hyperparallel/quantized_collectives.h"
+
+namespace hp {
+namespace {
+
+using testing::error_of;
+
+constexpr int64_t kBlock = 16;
+
+// Rank r's tensor: different per rank, over several magnitudes.
+at::Tensor input_of(int64_t rank, int64_t numel, at::ScalarType dtype) {
+  torch::manual_seed(100 + rank);
+  return (torch::randn({numel}) * torch::pow(4.0, torch::randint(-3, 3, {numel}).to(at::kFloat)))
+      .to(dtype);
+}
+
+// The all-gather's result computed in one process: every rank's input quantized as a row.
+at::Tensor gathered_here(int64_t ranks, int64_t n, at::ScalarType dtype, CommCodec codec) {
+  std::vector<at::Tensor> rows;
+  for (int64_t r = 0; r < ranks; ++r) {
+    rows.push_back(dequantize_blocks(
+        quantize_blocks(input_of(r, n, dtype).view({1, n}), codec, kBlock), kBlock, dtype));
+  }
+  return torch::cat(rows, 1).view(-1);
+}
+
+// The reduce-scatter's chunk of `rank`, computed in one process: every rank's chunk for
+// it quantized, dequantized in fp32 and summed in rank order.
+at::Tensor reduced_here(int64_t ranks, int64_t rank, int64_t chunk, at::ScalarType dtype,
+                        CommCodec codec) {
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const at::Tensor rows = input_of(r, chunk * ranks, dtype).view({ranks, chunk});
+    parts.push_back(dequantize_blocks(quantize_blocks(rows, codec, kBlock), kBlock, at::kFloat)
+                        .select(0, rank));
+  }
+  return at::sum(torch::stack(parts), {0}).to(dtype);
+}
+
+void check_on(const Group& group) {
+  for (CommCodec codec : {CommCodec::kInt8, CommCodec::kFp8}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(to_string(codec) + " " + c10::toString(dtype));
+      const int64_t n = 37;  // not a multiple of the block, nor of the group size
+      at::Tensor gathered = torch::empty({group.size() * n}, dtype);
+      quantized_all_gather(gathered, input_of(group.rank(), n, dtype), group, codec, kBlock).wait();
+      const at::Tensor expected =
+          group.size() == 1 ? input_of(0, n, dtype) : gathered_here(group.size(), n, dtype, codec);
+      EXPECT_TRUE(torch::equal(gathered, expected));
+
+      at::Tensor reduced = torch::empty({n}, dtype);
+      quantized_reduce_scatter(reduced, input_of(group.rank(), n * group.size(), dtype),
+                               ReduceOp::kSum, group, codec, kBlock)
+          .wait();
+      const at::Tensor sum = group.size() == 1
+                                 ? input_of(0, n, dtype)
+                                 : reduced_here(group.size(), group.rank(), n, dtype, codec);
+      EXPECT_TRUE(torch::equal(reduced, sum));
+
+      at::Tensor averaged = torch::empty({n}, at::kFloat);
+      if (dtype == at::kFloat) {
+        quantized_reduce_scatter(averaged, input_of(group.rank(), n * group.size(), dtype),
+                                 ReduceOp::kAvg, group, codec, kBlock)
+            .wait();
+        EXPECT_TRUE(torch::equal(averaged, sum / group.size()));
+      }
+    }
+  }
+}
+
+HP_DIST_TEST(QuantizedCollectives, BitwiseAsInOneProcess, 1, 2, 3, 4) {
+  check_on(*testing::world()->world_group());
+}
+
+HP_DIST_TEST(QuantizedCollectives, OnTheGroupsOfAnHsdpMesh, 4) {
+  const DeviceMesh mesh(testing::world(), {{"replicate", 2}, {"shard", 2}});
+  check_on(*mesh.group("shard"));
+  check_on(*mesh.group("replicate"));
+}
+
+// One byte per value and 4 per block of 256 against fp32's 4 per value: 0.254x.
+HP_DIST_TEST(QuantizedCollectives, WireBytesAreAQuarterOfFp32s, 2, 4) {
+  const Group& group = *testing::world()->world_group();
+  const int64_t n = 1024;
+  const int64_t others = group.size() - 1;
+  const int64_t row = quantized_row_bytes(n, 256);
+  ASSERT_EQ(row, 1024 + 4 * 4);
+  at::Tensor gathered = torch::empty({group.size() * n});
+  at::Tensor reduced = torch::empty({n});
+  const at::Tensor whole = torch::randn({group.size() * n});
+
+  reset_wire_bytes();
+  all_gather(gathered, whole.narrow(0, 0, n), group).wait();
+  reduce_scatter(reduced, whole, ReduceOp::kSum, group).wait();
+  const WireBytes plain = wire_bytes();
+  EXPECT_EQ(plain.all_gather, 4 * n * others);
+  EXPECT_EQ(plain.reduce_scatter, 4 * n * others);
+
+  reset_wire_bytes();
+  quantized_all_gather(gathered, whole.narrow(0, 0, n), group, CommCodec::kInt8, 256).wait();
+  quantized_reduce_scatter(reduced, whole, ReduceOp::kSum, group, CommCodec::kFp8, 256).wait();
+  const WireBytes quantized = wire_bytes();
+  EXPECT_EQ(quantized.all_gather, row * others);
+  EXPECT_EQ(quantized.all_to_all, row * others);
+  EXPECT_EQ(quantized.total(), 2 * row * others);
+  EXPECT_LT(static_cast<double>(quantized.total()) / plain.total(), 0.26);
+}
+
+HP_DIST_TEST(QuantizedCollectives, BadArgumentsAreNamed, 2) {
+  const Group& group = *testing::world()->world_group();
+  at::Tensor out = torch::empty({8});
+  EXPECT_NE(error_of([&] {
+              quantized_all_gather(out, torch::ones({3}), group, CommCodec::kInt8, kBlock);
+            }).find("group size (2) x 3"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              quantized_reduce_scatter(torch::empty({4}), torch::ones({8}), ReduceOp::kMax, group,
+                                       CommCodec::kInt8, kBlock);
+            }).find("only sum and avg"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              quantized_all_gather(out, torch::ones({4}, at::kInt), group, CommCodec::kInt8,
+                                   kBlock);
+            }).find("floating-point"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hp

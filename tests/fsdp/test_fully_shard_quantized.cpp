@@ -1,0 +1,183 @@
+// fully_shard with CommPolicy's codecs (quantized all-gather and reduce-scatter) against
+// a reference that applies the same quantization in one process: the unsharded weights
+// are every rank's shard quantized and dequantized, the sharded gradients the quantized
+// per-rank gradients summed in rank order; training stays close to full precision and
+// reruns bit for bit.
+#include <torch/torch.h>
+
+#include "distributed_test.h"
+#include "error_of.h"
+#include "fsdp_test_util.h"
+#include "hyperparallel/comm_codec.h"
+#include "models/mlp.h"
+
+namespace hp {
+namespace {
+
+using models::Mlp;
+using testing::error_of;
+
+constexpr int64_t kBlock = 8;  // small, so that shards hold several blocks and a short one
+
+// A parameter laid out as fully_shard shards it on dim 0: [shards, padded_numel], each row
+// a rank's chunk of ceil(rows / shards) rows, zero padded.
+at::Tensor rank_major(const at::Tensor& full, int64_t shards) {
+  const int64_t chunk = (full.size(0) + shards - 1) / shards;
+  std::vector<int64_t> shape = full.sizes().vec();
+  shape[0] = chunk * shards;
+  at::Tensor padded = torch::zeros(shape, full.options());
+  padded.narrow(0, 0, full.size(0)).copy_(full);
+  return padded.view({shards, -1});
+}
+
+at::Tensor from_rank_major(const at::Tensor& rows, const at::Tensor& like) {
+  std::vector<int64_t> shape = like.sizes().vec();
+  shape[0] = -1;
+  return rows.reshape(shape).narrow(0, 0, like.size(0));
+}
+
+at::Tensor round_trip(const at::Tensor& rows, CommCodec codec) {
+  return dequantize_blocks(quantize_blocks(rows, codec, kBlock), kBlock, at::kFloat);
+}
+
+struct QuantizedMlp {
+  Mlp reference{nullptr};
+  Sharded<Mlp> model{nullptr};
+  testing::ShardedParts parts;
+
+  explicit QuantizedMlp(const CommPolicy& policy, bool comm_fusion = false) {
+    torch::manual_seed(42);
+    reference = Mlp(5, 8, 9, 3, 2);
+    torch::manual_seed(42);
+    model = Sharded<Mlp>(5, 8, 9, 3, 2);
+    FullyShardOptions options;
+    options.comm_policy = policy;
+    options.comm_fusion = comm_fusion;
+    parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
+  }
+  FSDPModule root() const { return parts.back().second; }
+
+  static std::pair<at::Tensor, at::Tensor> batch(int64_t seed) {
+    torch::manual_seed(seed);
+    return {torch::randn({8, 5}), torch::randn({8, 3})};
+  }
+};
+
+HP_DIST_TEST(FullyShardQuantized, UnshardedWeightsAreEveryShardQuantized, 2, 3) {
+  const int64_t ranks = testing::world()->size();
+  for (CommCodec codec : {CommCodec::kInt8, CommCodec::kFp8}) {
+    SCOPED_TRACE(to_string(codec));
+    QuantizedMlp f({.all_gather_codec = codec, .block_size = kBlock});
+    for (const auto& [prefix, module] : f.parts) FSDPModule(module).unshard();
+    int checked = 0;
+    for (const auto& item : f.reference->named_parameters()) {
+      const at::Tensor expected = from_rank_major(
+          round_trip(rank_major(item.value().detach(), ranks), codec), item.value());
+      const at::Tensor unsharded = f.model->named_parameters()[item.key()];
+      ASSERT_EQ(unsharded.sizes(), item.value().sizes()) << item.key();
+      EXPECT_TRUE(torch::equal(unsharded, expected)) << item.key();
+      if (item.value().dim() == 2) {  // (a bias may have one value per block: exact)
+        EXPECT_FALSE(torch::equal(unsharded, item.value())) << item.key() << " was not quantized";
+      }
+      ++checked;
+    }
+    EXPECT_EQ(checked, 2 + 2 * 4 + 2);
+    for (const auto& [prefix, module] : f.parts) FSDPModule(module).reshard();
+    // The shards themselves, which the optimizer steps, stay full precision.
+    for (const auto& [prefix, module] : f.parts) {
+      for (const auto& info : module.sharded_params()) {
+        EXPECT_TRUE(torch::equal(module.full_tensor(info.name),
+                                 f.reference->named_parameters()[prefix + info.name]))
+            << prefix + info.name;
+      }
+    }
+  }
+}
+
+HP_DIST_TEST(FullyShardQuantized, GradientsAreTheQuantizedPerRankGradientsSummed, 2, 3) {
+  const int64_t ranks = testing::world()->size();
+  const int64_t rank = testing::world()->rank();
+  for (CommCodec codec : {CommCodec::kInt8, CommCodec::kFp8}) {
+    SCOPED_TRACE(to_string(codec));
+    QuantizedMlp f({.reduce_scatter_codec = codec, .block_size = kBlock});
+    const auto [x, y] = QuantizedMlp::batch(7);
+    torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
+                    testing::local_batch(y, rank, ranks))
+        .backward();
+    // Every rank's gradient, computed here on the reference, as each rank's reduce-scatter
+    // input: quantized per destination row, dequantized, summed in rank order, averaged.
+    std::map<std::string, std::vector<at::Tensor>> per_rank;
+    for (int64_t r = 0; r < ranks; ++r) {
+      f.reference->zero_grad();
+      torch::mse_loss(f.reference(testing::local_batch(x, r, ranks)),
+                      testing::local_batch(y, r, ranks))
+          .backward();
+      for (const auto& item : f.reference->named_parameters()) {
+        per_rank[item.key()].push_back(round_trip(rank_major(item.value().grad(), ranks), codec));
+      }
+    }
+    const auto grads = testing::full_grads(f.parts);
+    for (const auto& [name, parts] : per_rank) {
+      const at::Tensor expected =
+          from_rank_major(at::sum(torch::stack(parts), {0}) / ranks, grads.at(name));
+      EXPECT_LE(testing::max_abs_diff(grads.at(name), expected),
+                1e-7 * expected.abs().max().item<double>())
+          << name;
+    }
+  }
+}
+
+// 30 AdamW steps with int8 weights and gradients, per parameter and fused: close to the
+// full-precision reference, not equal to it, and the same bit for bit when run again.
+HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2) {
+  const int64_t ranks = testing::world()->size();
+  const int64_t rank = testing::world()->rank();
+  const CommPolicy int8 = {.all_gather_codec = CommCodec::kInt8,
+                           .reduce_scatter_codec = CommCodec::kInt8,
+                           .block_size = kBlock};
+  const auto train = [&](bool comm_fusion, std::vector<double>* reference_losses) {
+    QuantizedMlp f(int8, comm_fusion);
+    torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
+    std::vector<double> losses;
+    for (int step = 0; step < 30; ++step) {
+      const auto [x, y] = QuantizedMlp::batch(step % 4);  // a few batches, seen again
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      const at::Tensor loss = torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
+                                              testing::local_batch(y, rank, ranks));
+      loss.backward();
+      opt.step();
+      at::Tensor global = loss.detach().clone();
+      all_reduce(global, ReduceOp::kAvg, *testing::world()->world_group()).wait();
+      losses.push_back(global.item<double>());
+      const at::Tensor ref_loss = torch::mse_loss(f.reference(x), y);
+      ref_loss.backward();
+      ref_opt.step();
+      if (reference_losses) reference_losses->push_back(ref_loss.item<double>());
+    }
+    return losses;
+  };
+  for (bool comm_fusion : {false, true}) {
+    SCOPED_TRACE(comm_fusion ? "comm_fusion" : "per parameter");
+    std::vector<double> reference;
+    const std::vector<double> losses = train(comm_fusion, &reference);
+    EXPECT_EQ(losses, train(comm_fusion, nullptr)) << "a rerun differs";
+    EXPECT_NE(losses, reference) << "nothing was quantized";
+    EXPECT_LT(reference.back(), 0.7 * reference.front()) << "the reference did not learn";
+    for (size_t i = 0; i < losses.size(); ++i) {
+      EXPECT_NEAR(losses[i], reference[i], 0.03 * reference[i]) << "step " << i;
+    }
+  }
+}
+
+HP_DIST_TEST(FullyShardQuantized, ABadBlockSizeIsNamed, 1) {
+  Sharded<Mlp> model(5, 8, 9, 3, 1);
+  FullyShardOptions options;
+  options.comm_policy.block_size = 0;
+  EXPECT_NE(error_of([&] { fully_shard(model, options); }).find("comm_policy.block_size"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hp
