@@ -19,6 +19,8 @@
 //                    fusion   options.comm_fusion = true
 //                    nopf     root.set_implicit_prefetch(false)
 //                    keep     options.reshard_after_forward = false
+//                    int8ag, fp8ag   options.comm_policy.all_gather_codec
+//                    int8rs, fp8rs   options.comm_policy.reduce_scatter_codec
 // --deferred-init builds every variant's model with hp::deferred_init and materializes it
 // after fully_shard (the same values as an eager build, bit for bit): a rank then never
 // holds more than its shards and about one whole parameter, also while initializing.
@@ -224,6 +226,7 @@ struct Variant {
   int64_t copied_bytes_comm = -1;  // other threads (Gloo)
   double boundary_rss_mib = 0;     // VmRSS at the end of the last step's forward
   double last_loss = 0;            // the last timed step's loss on this rank
+  int64_t wire_bytes = 0;          // sent by this rank in the timed steps (hp::wire_bytes)
 };
 
 // Milliseconds and MiB to 3 decimals in the RESULT lines.
@@ -450,6 +453,14 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
     options->mesh = setting.mesh;
     options->comm_fusion = has("fusion");
     if (has("keep")) options->reshard_after_forward = false;
+    for (const char* codec : {"int8", "fp8"}) {
+      if (has((std::string(codec) + "ag").c_str())) {
+        options->comm_policy.all_gather_codec = hp::parse_comm_codec(codec);
+      }
+      if (has((std::string(codec) + "rs").c_str())) {
+        options->comm_policy.reduce_scatter_codec = hp::parse_comm_codec(codec);
+      }
+    }
   }
   torch::manual_seed(0);  // the same initial model for every variant and rank
   std::optional<hp::FSDPModule> root =
@@ -535,8 +546,10 @@ void time_variants(std::vector<std::unique_ptr<Variant>>& variants, const Option
       const bool traced = !o.trace_dir.empty() && step == last_step && v.name.starts_with("hp");
       if (traced) hp::trace::start(setting.device());
       const double cpu_before = process_cpu_ms();
+      const int64_t sent_before = hp::wire_bytes().total();
       const std::array<double, 4> t = time_step(v, x, y, step == last_step, o, setting.device());
       const double cpu = process_cpu_ms() - cpu_before;
+      if (step >= o.warmup) v.wire_bytes += hp::wire_bytes().total() - sent_before;
       if (traced) write_trace(o, v.name, setting.rank, hp::trace::stop());
       at::Tensor times = torch::tensor({t[0], t[1], t[2], t[3], cpu}, torch::kDouble);
       hp::all_reduce(times, hp::ReduceOp::kMax, setting.all()).wait();
@@ -621,6 +634,8 @@ void print_results(const std::vector<std::unique_ptr<Variant>>& variants, const 
     result["deferred_init"] = o.deferred_init;
     result["rlimit_data_mib"] = limit_mib;
     result["loss"] = rounded(v.last_loss);
+    result["wire_bytes_per_step"] =
+        v.times.empty() ? 0 : v.wire_bytes / static_cast<int64_t>(v.times.size());
     result["peak_rss_mib"] = per_rank(0);
     result["base_rss_mib"] = per_rank(1);
     result["boundary_rss_mib"] = per_rank(2 + index);

@@ -118,6 +118,7 @@ SECTIONS = [
     ("Bandwidth-limited run", "netns"),
     ("Checkpoint saves", "checkpoint"),
     ("Pipeline schedules", "pipeline"),
+    ("Quantized collectives", "codecs"),
     ("Targets", "common"),
     ("Discussion", "common"),
 ]
@@ -130,6 +131,7 @@ TARGET_PREFIXES = {
     "netns": ("overlap efficiency",),
     "checkpoint": ("async save blocks",),
     "pipeline": ("1F1B peak activations", "interleaved step", "measured bubble"),
+    "codecs": ("quantized",),
 }
 
 
@@ -226,7 +228,7 @@ def main():
         f"This run took {args.seconds // 60} min {args.seconds % 60} s; the transformer "
         f"runs time {args.steps} steps per variant after {args.warmup} warm-up step(s). "
         "`bench/run.sh BUILD --only SECTIONS` (steps, memory, beyond, overhead, netns, "
-        "checkpoint, pipeline) "
+        "checkpoint, pipeline, codecs) "
         "reruns some of them and rewrites only their sections and target rows; a section "
         "made that way names the command that made it."
     )
@@ -611,6 +613,7 @@ def main():
 
     checkpoint_section(rep)
     pipeline_section(rep)
+    codecs_section(rep, args)
 
     # ------------------------------------------------------------------ targets
     rep.section("Targets")
@@ -652,6 +655,223 @@ def made_by(rep, section):
         f"Made by `{meta['command']}` ({sec // 60} min {sec % 60} s; load average "
         f"{meta['load_before']} before, {meta['load_after']} after)."
     )
+
+
+# The codec runs of bench/run.sh (section codecs), in table order: (variant, title).
+CODEC_ROWS = [
+    ("hp", "full precision (fp32), per parameter"),
+    ("hp:int8ag", "int8 all-gather"),
+    ("hp:int8ag+int8rs", "int8 all-gather + int8 reduce-scatter"),
+    ("hp:fp8ag+fp8rs", "fp8 all-gather + fp8 reduce-scatter"),
+    ("hp:fusion", "full precision, comm_fusion"),
+    ("hp:fusion+int8ag+int8rs", "int8 + int8, comm_fusion"),
+]
+CODECS = [("none", "fp32"), ("int8", "int8 + int8"), ("fp8", "fp8 + fp8")]
+
+
+def zero3_bytes(r):
+    """fp32 ZeRO-3's bytes sent per rank and step: two all-gathers and one reduce-scatter
+    of every parameter, (n - 1) / n of each."""
+    n = r["world"]
+    return 3 * r["params"] * 4 * (n - 1) / n
+
+
+def codec_table(rep, label, fsdp2=None):
+    find = rep.find
+    base = find(label, "C++", "hp")
+    rep.p("| variant | KiB sent per step and rank | / fp32 ZeRO-3 | step ms (p25–p75) | / full precision |"
+          + (" / FSDP2 |" if fsdp2 else ""))
+    rep.p("|---|---:|---:|---:|---:|" + ("---:|" if fsdp2 else ""))
+    for variant, title in CODEC_ROWS:
+        r = find(label, "C++", variant)
+        if r is None:
+            continue
+        if not ok(r):
+            rep.p(f"| {title} | failed: {r.get('error')} | | | |" + (" |" if fsdp2 else ""))
+            continue
+        kib = r["wire_bytes_per_step"] / 1024
+        row = (f"| {title} | {fmt(kib, 0)} | {fmt(r['wire_bytes_per_step'] / zero3_bytes(r), 3)} | "
+               f"{step_cell(r)} | {fmt(ratio(r['step_ms'], base['step_ms']) if ok(base) else None, 2)} |")
+        if fsdp2:
+            row += f" {fmt(ratio(r['step_ms'], fsdp2['step_ms']), 2)} |"
+        rep.p(row)
+    if fsdp2:
+        rep.p(f"| FSDP2 defaults (Python, for reference) | – | – | {step_cell(fsdp2)} | "
+              f"{fmt(ratio(fsdp2['step_ms'], base['step_ms']) if ok(base) else None, 2)} | 1.00 |")
+    for r in rep.results:
+        if r.get("label") == label and r.get("variant") == "(run)":
+            rep.p(f"| a run of {r.get('impl')} | failed: {r.get('error')} | | | |" + (" |" if fsdp2 else ""))
+    rep.p()
+
+
+def read_metrics(path):
+    records = []
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        pass
+    return records
+
+
+def loss_curves_svg(runs, path):
+    """Training loss (lines) and validation loss (dots) of each run against the step."""
+    width, height, left, right, top, bottom = 720, 360, 60, 150, 20, 40
+    points = [(m["step"], m["loss"]) for _, ms in runs for m in ms]
+    if not points:
+        return False
+    max_step = max(s for s, _ in points)
+    lo = min(l for _, l in points)
+    hi = max(l for _, l in points)
+    x = lambda step: left + (width - left - right) * step / max_step  # noqa: E731
+    y = lambda loss: top + (height - top - bottom) * (hi - loss) / (hi - lo)  # noqa: E731
+    colors = ["#1f77b4", "#d62728", "#2ca02c"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>',
+           f'<text x="{(left + width - right) / 2}" y="{height - 8}" text-anchor="middle">step</text>',
+           f'<text x="{left - 6}" y="{y(hi) + 4}" text-anchor="end">{hi:.2f}</text>',
+           f'<text x="{left - 6}" y="{y(lo) + 4}" text-anchor="end">{lo:.2f}</text>',
+           f'<text x="{x(max_step)}" y="{height - bottom + 16}" text-anchor="middle">{max_step}</text>']
+    for (name, records), color in zip(runs, colors):
+        train = " ".join(f"{x(m['step']):.1f},{y(m['loss']):.1f}" for m in records)
+        out.append(f'<polyline points="{train}" fill="none" stroke="{color}" stroke-width="1.2" opacity="0.8"/>')
+        for m in records:
+            if "validation_loss" in m:
+                out.append(f'<circle cx="{x(m["step"]):.1f}" cy="{y(m["validation_loss"]):.1f}" r="3.5" fill="{color}"/>')
+    for i, ((name, _), color) in enumerate(zip(runs, colors)):
+        ly = top + 20 + 18 * i
+        out.append(f'<line x1="{width - right + 10}" y1="{ly}" x2="{width - right + 30}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{width - right + 36}" y="{ly + 4}">{name}</text>')
+    out.append(f'<text x="{width - right + 10}" y="{top + 20 + 18 * len(runs) + 8}">lines: training</text>')
+    out.append(f'<text x="{width - right + 10}" y="{top + 20 + 18 * len(runs) + 24}">dots: validation</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+    return True
+
+
+def codecs_section(rep, args):
+    runs = [r for r in rep.results if r.get("label", "").startswith("codecs/")]
+    if not runs:
+        return
+    rep.section("Quantized collectives")
+    p = rep.p
+    loopback, netns = "codecs/loopback/d128L8/1x2", "codecs/netns/d128L8/1x2"
+    base = rep.find(loopback, "C++", "hp")
+    p(
+        "`hp::CommPolicy` (api.md, `policy.h`): the weight all-gathers and gradient "
+        "reduce-scatters move int8 or fp8 blocks of 256 values with one fp32 scale each "
+        "instead of fp32 values; the optimizer still steps the fp32 shards. The model of the "
+        f"bandwidth-limited run (dim 128, 8 layers, 4 sequences of 64 tokens per rank; "
+        f"{fmt(base['params'] / 1e6, 2) if ok(base) else '?'} M parameters), 2 ranks, "
+        f"{args.netns_steps} timed steps. Bytes are what each rank sent in a step, counted by "
+        "`hp::wire_bytes()` (as ring and pairwise algorithms move them), against fp32 ZeRO-3's "
+        "3 x parameters x 4 bytes x (n-1)/n. " + made_by(rep, "codecs")
+    )
+    p()
+    p("**Loopback** (CPU-bound: Gloo's copies run on the cores that compute):")
+    p()
+    codec_table(rep, loopback)
+    fsdp2 = rep.find(netns, "Python", "fsdp2")
+    if any(r.get("label") == netns for r in rep.results):
+        p(f"**Bandwidth-limited** ({args.rate} per rank, the netns section's set-up):")
+        p()
+        codec_table(rep, netns, fsdp2 if ok(fsdp2) else None)
+    else:
+        p("The bandwidth-limited part did not run (BENCH_NETNS=0 or no network namespaces).")
+        p()
+    speedups = []
+    for variant, full in (("hp:int8ag+int8rs", "hp"), ("hp:fusion+int8ag+int8rs", "hp:fusion")):
+        lq, lf = rep.find(loopback, "C++", variant), rep.find(loopback, "C++", full)
+        nq, nf = rep.find(netns, "C++", variant), rep.find(netns, "C++", full)
+        if all(ok(r) for r in (lq, lf, nq, nf)):
+            speedups.append((full, lq["step_ms"] / lf["step_ms"], nf["step_ms"] / nq["step_ms"]))
+    if speedups:
+        p(
+            "**When to turn them on.** Where the link bounds the step, the bytes are the cost: "
+            + "; ".join(f"{'fused' if 'fusion' in full else 'per parameter'}, int8 weights and "
+                        f"gradients make the bandwidth-limited step {fmt(gain, 2)}x faster"
+                        for full, _, gain in speedups)
+            + ". On loopback communication is memcpy on the cores that compute and quantizing "
+            "is more work on the same cores: "
+            + "; ".join(f"{'fused' if 'fusion' in full else 'per parameter'} step x "
+                        f"{fmt(cost, 2)}" for full, cost, _ in speedups)
+            + ". Turn them on when a step in full precision takes well over its compute alone "
+            "and the CPU is not what it waits for (multi-node jobs, commodity networks); "
+            "leave them off on one machine."
+        )
+        p()
+    int8 = rep.find(loopback, "C++", "hp:int8ag+int8rs")
+    if ok(int8):
+        share = int8["wire_bytes_per_step"] / zero3_bytes(int8)
+        rep.target(("quantized: int8 AG + RS bytes per step <= 0.3x fp32 ZeRO-3", fmt(share, 3),
+                    "met" if share <= 0.3 else f"missed by {fmt(share - 0.3, 3)}"))
+    for variant, full, name in (("hp:int8ag+int8rs", "hp", "per parameter"),
+                                ("hp:fusion+int8ag+int8rs", "hp:fusion", "comm_fusion")):
+        quantized, plain = rep.find(loopback, "C++", variant), rep.find(loopback, "C++", full)
+        if ok(quantized) and ok(plain):
+            cost = quantized["step_ms"] / plain["step_ms"] - 1
+            rep.target((f"quantized: loopback step cost of int8 AG + RS <= 10%, {name}",
+                        f"{fmt(100 * cost, 1)}%",
+                        "met" if cost <= 0.10 else f"missed by {fmt(100 * (cost - 0.10), 1)} points"))
+    for variant, full, name in (("hp:int8ag+int8rs", "hp", "per parameter"),
+                                ("hp:fusion+int8ag+int8rs", "hp:fusion", "comm_fusion")):
+        n_int8, n_base = rep.find(netns, "C++", variant), rep.find(netns, "C++", full)
+        if ok(n_int8) and ok(n_base):
+            q = n_int8["step_ms"] / n_base["step_ms"]
+            rep.target((f"quantized: bandwidth-limited int8 step <= 0.4x full precision, {name}",
+                        fmt(q, 2), "met" if q <= 0.4 else f"missed by {fmt(q - 0.4, 2)}"))
+        if ok(n_int8) and ok(fsdp2):
+            q = n_int8["step_ms"] / fsdp2["step_ms"]
+            rep.target((f"quantized: bandwidth-limited int8 step <= 0.3x FSDP2, {name}", fmt(q, 2),
+                        "met" if q <= 0.3 else f"missed by {fmt(q - 0.3, 2)}"))
+
+    accuracy = {r["variant"]: r for r in runs if r.get("label") == "codecs/accuracy"}
+    if not accuracy:
+        return
+    p(
+        "**Accuracy.** The demo's job (`make demo`'s corpus and defaults: 500 steps) on 4 "
+        "ranks with a 1x4 mesh, so that every collective is quantized "
+        "(`train_decoder --mesh 1x4 [--ag-codec C --rs-codec C]`):"
+    )
+    p()
+    p("| collectives | final training loss | final validation loss | / full precision | run s |")
+    p("|---|---:|---:|---:|---:|")
+    curves, final = [], {}
+    for codec, title in CODECS:
+        r = accuracy.get(codec)
+        if r is None:
+            continue
+        if r.get("error"):
+            p(f"| {title} | failed: {r.get('error')} | | | |")
+            continue
+        records = read_metrics(r["metrics"])
+        validation = [m["validation_loss"] for m in records if "validation_loss" in m]
+        if not records or not validation:
+            p(f"| {title} | no metrics in {r['metrics']} | | | |")
+            continue
+        final[codec] = validation[-1]
+        curves.append((title, records))
+        rel = validation[-1] / final["none"] if "none" in final else None
+        p(f"| {title} | {fmt(records[-1]['loss'], 4)} | **{fmt(validation[-1], 4)}** | "
+          f"{fmt(rel, 4)} | {r.get('seconds')} |")
+    p()
+    svg = os.path.join(os.path.dirname(args.out), "codecs_loss.svg")
+    if loss_curves_svg(curves, svg):
+        p("![training and validation loss with full-precision and quantized collectives](codecs_loss.svg)")
+        p()
+    if "none" in final:
+        for codec in ("int8", "fp8"):
+            if codec in final:
+                rel = final[codec] / final["none"] - 1
+                verdict = "met" if abs(rel) <= 0.01 else (
+                    "outside 1%, but lower (better) than full precision" if rel < 0
+                    else "missed")
+                rep.target((f"quantized: {codec} validation loss within 1% of full precision",
+                            f"{'+' if rel >= 0 else ''}{fmt(100 * rel, 2)}%", verdict))
 
 
 def ms_list(values):

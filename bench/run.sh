@@ -9,7 +9,9 @@
 # ZeRO-3 model), beyond (a model bigger than one rank's memory limit), overhead
 # (scheduling overhead), netns (bandwidth-limited), checkpoint (how long a save blocks
 # training, synchronous vs async), pipeline (the pipeline schedules' step time, bubble and
-# activations held on 4 ranks, and the cost of a zero-bubble schedule's split backward).
+# activations held on 4 ranks, and the cost of a zero-bubble schedule's split backward),
+# codecs (quantized collectives: bytes, step time on loopback and bandwidth-limited, and
+# the accuracy of 500 training steps).
 # --only runs the listed ones and rewrites only their parts of the report (their sections
 # and target rows); the rest of docs/performance.md stays as it was.
 #
@@ -25,7 +27,7 @@
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline
+ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline,codecs
 BUILD=build
 SECTIONS=$ALL_SECTIONS
 COMMAND="make bench"
@@ -74,6 +76,7 @@ export GLIBC_TUNABLES=$TIMING_MALLOC
 needed=("$BUILD/hp-run")
 [ "$SECTIONS" = pipeline ] || needed+=("$HP_BENCH")  # every section but pipeline runs it
 selected pipeline && needed+=("$PIPELINE_BENCH")
+selected codecs && needed+=("$BUILD/examples/train_decoder")
 for f in "${needed[@]}"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
 done
@@ -251,6 +254,54 @@ section_pipeline() {
       --activation-mib 16 --steps 3 --warmup 1
   done
   launch "pipeline/split-backward" 1 "$PIPELINE_BENCH" --split-backward --steps 3 --warmup 1
+}
+
+# Quantized collectives (hp::CommPolicy): the netns section's model on 2 ranks, full
+# precision against int8 / fp8 weight all-gathers and gradient reduce-scatters, per
+# parameter and fused, bytes sent per step counted (hp::wire_bytes); on loopback, then on
+# the bandwidth-limited link next to FSDP2. Then their accuracy: the demo's job (make
+# demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
+# quantized, in full precision, int8 and fp8 (metrics under $OUT/codecs/<codec>/).
+CODEC_VARIANTS=local,hp,hp:int8ag,hp:int8ag+int8rs,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+int8ag+int8rs
+CODEC_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
+DEMO_DATA="--data README.md --data docs --data src --data include --data models --data examples --data tests"
+section_codecs() {
+  echo "bench: quantized collectives (2 ranks loopback and $RATE; accuracy on 4 ranks)"
+  # shellcheck disable=SC2086
+  launch "codecs/loopback/d128L8/1x2" 2 "$HP_BENCH" $CODEC_MODEL --steps "$NETNS_STEPS" \
+    --warmup "$WARMUP" --no-copy-count --variants "$CODEC_VARIANTS"
+  if [ "${BENCH_NETNS:-1}" != 0 ] && bench/netns.sh up 2 "$RATE" >>"$OUT/log.txt" 2>&1; then
+    trap 'bench/netns.sh down 2' EXIT
+    HPRUN_OPTS=(--master-addr 10.231.0.254)
+    # shellcheck disable=SC2086
+    launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $CODEC_MODEL \
+      --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --variants "$CODEC_VARIANTS"
+    # shellcheck disable=SC2086
+    launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $CODEC_MODEL \
+      --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2
+    HPRUN_OPTS=()
+    bench/netns.sh down 2
+    trap - EXIT
+  else
+    bench/netns.sh down 2 >/dev/null 2>&1
+    echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
+  fi
+  local codec flags start rc
+  for codec in none int8 fp8; do
+    flags=()
+    [ "$codec" = none ] || flags=(--ag-codec "$codec" --rs-codec "$codec")
+    rm -rf "$OUT/codecs/$codec"
+    mkdir -p "$OUT/codecs/$codec"
+    start=$SECONDS
+    # shellcheck disable=SC2086
+    "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" $DEMO_DATA \
+      --mesh 1x4 --out "$OUT/codecs/$codec" "${flags[@]}" >"$OUT/codecs/$codec/log.txt" 2>&1
+    rc=$?
+    printf '{"label": "codecs/accuracy", "impl": "train_decoder", "variant": "%s", "metrics": "%s", "seconds": %d, "error": %s}\n' \
+      "$codec" "$OUT/codecs/$codec/metrics.jsonl" $((SECONDS - start)) \
+      "$([ $rc = 0 ] && echo null || echo "\"exit $rc\"")" >>"$RESULTS"
+    printf '  %-20s %-12s %4d s  exit %d\n' "codecs/accuracy" "$codec" $((SECONDS - start)) "$rc"
+  done
 }
 
 # Each section writes its own results file, headed by a line saying how it was made.

@@ -45,7 +45,10 @@ struct QuantizedMlp {
   Sharded<Mlp> model{nullptr};
   testing::ShardedParts parts;
 
-  explicit QuantizedMlp(const CommPolicy& policy, bool comm_fusion = false) {
+  // bf16: parameters gathered and used in bf16, gradients reduced in fp32. shard_dim1:
+  // matrices sharded on dim 1. offload: shards on the host.
+  explicit QuantizedMlp(const CommPolicy& policy, bool comm_fusion = false, bool bf16 = false,
+                        bool shard_dim1 = false, bool offload = false) {
     torch::manual_seed(42);
     reference = Mlp(5, 8, 9, 3, 2);
     torch::manual_seed(42);
@@ -53,6 +56,17 @@ struct QuantizedMlp {
     FullyShardOptions options;
     options.comm_policy = policy;
     options.comm_fusion = comm_fusion;
+    if (bf16) {
+      options.mp_policy.param_dtype = at::kBFloat16;
+      options.mp_policy.reduce_dtype = at::kFloat;
+    }
+    if (shard_dim1) {
+      options.shard_placement_fn = [](const std::string&,
+                                      const at::Tensor& param) -> std::optional<Placement> {
+        return param.dim() == 2 ? Placement::shard(1) : Placement::shard(0);
+      };
+    }
+    options.offload_policy.offload = offload;
     parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
   }
   FSDPModule root() const { return parts.back().second; }
@@ -127,16 +141,21 @@ HP_DIST_TEST(FullyShardQuantized, GradientsAreTheQuantizedPerRankGradientsSummed
   }
 }
 
-// 30 AdamW steps with int8 weights and gradients, per parameter and fused: close to the
-// full-precision reference, not equal to it, and the same bit for bit when run again.
+// 30 AdamW steps with int8 weights and gradients, per parameter, fused, with bf16
+// parameters, matrices sharded on dim 1 and shards offloaded: close to the full-precision
+// reference, not equal to it, and the same bit for bit when run again.
 HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2) {
   const int64_t ranks = testing::world()->size();
   const int64_t rank = testing::world()->rank();
   const CommPolicy int8 = {.all_gather_codec = CommCodec::kInt8,
                            .reduce_scatter_codec = CommCodec::kInt8,
                            .block_size = kBlock};
-  const auto train = [&](bool comm_fusion, std::vector<double>* reference_losses) {
-    QuantizedMlp f(int8, comm_fusion);
+  struct Case {
+    const char* name;
+    bool comm_fusion = false, bf16 = false, shard_dim1 = false, offload = false;
+  };
+  const auto train = [&](const Case& c, std::vector<double>* reference_losses) {
+    QuantizedMlp f(int8, c.comm_fusion, c.bf16, c.shard_dim1, c.offload);
     torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
     torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
     std::vector<double> losses;
@@ -144,8 +163,9 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
       const auto [x, y] = QuantizedMlp::batch(step % 4);  // a few batches, seen again
       opt.zero_grad();
       ref_opt.zero_grad();
-      const at::Tensor loss = torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
-                                              testing::local_batch(y, rank, ranks));
+      const at::Tensor loss =
+          torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)).to(at::kFloat),
+                          testing::local_batch(y, rank, ranks));
       loss.backward();
       opt.step();
       at::Tensor global = loss.detach().clone();
@@ -158,11 +178,13 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
     }
     return losses;
   };
-  for (bool comm_fusion : {false, true}) {
-    SCOPED_TRACE(comm_fusion ? "comm_fusion" : "per parameter");
+  for (const Case& c :
+       {Case{"per parameter"}, Case{"comm_fusion", true}, Case{"bf16 parameters", false, true},
+        Case{"Shard(1)", false, false, true}, Case{"offload", false, false, false, true}}) {
+    SCOPED_TRACE(c.name);
     std::vector<double> reference;
-    const std::vector<double> losses = train(comm_fusion, &reference);
-    EXPECT_EQ(losses, train(comm_fusion, nullptr)) << "a rerun differs";
+    const std::vector<double> losses = train(c, &reference);
+    EXPECT_EQ(losses, train(c, nullptr)) << "a rerun differs";
     EXPECT_NE(losses, reference) << "nothing was quantized";
     EXPECT_LT(reference.back(), 0.7 * reference.front()) << "the reference did not learn";
     for (size_t i = 0; i < losses.size(); ++i) {
