@@ -13,6 +13,7 @@
 
 #include <c10/core/Device.h>
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,6 +29,9 @@ struct Event {
   std::string op;
   std::string module;  // the fully_shard-ed module ("root", "layers.0", ...)
   double time_us;      // since start(), on the traced device's clock
+  // kIssue of a collective: the bytes this rank sends in it (hp::wire_bytes()), set by
+  // record_bytes once it is issued; 0 when not known.
+  int64_t bytes = 0;
 };
 
 // Clears earlier events and starts recording, timed on `device` (World::device()).
@@ -37,6 +41,9 @@ void start(c10::Device device = c10::Device(c10::kCPU));
 std::vector<Event> stop();
 bool enabled();
 void record(Kind kind, std::string_view op, std::string_view module);
+// Sets the bytes of the latest kIssue event of `op` and `module` (recorded before its
+// collectives were issued, so that on a GPU its time is where the stream starts them).
+void record_bytes(std::string_view op, std::string_view module, int64_t bytes);
 
 // "AG issue layers.0", "forward begin root", ...: the event without its time, as
 // schedule tests compare them.

@@ -77,11 +77,16 @@ struct Span {
   int lane;
   double begin, end, wait_begin;  // wait_begin < 0: no wait part
   std::string op, label, color;
+  int64_t bytes = 0;  // a collective's, when recorded
 };
 
 // Pairs begin/end and issue/wait/done per (op, module), in order.
 std::vector<Span> spans_of(const std::vector<Event>& events) {
-  std::map<std::string, std::deque<std::pair<double, double>>> open;  // key -> (start, wait)
+  struct Open {
+    double begin, wait;
+    int64_t bytes;
+  };
+  std::map<std::string, std::deque<Open>> open;
   std::vector<Span> spans;
   for (const Event& e : events) {
     const std::string key = e.op + "|" + e.module;
@@ -89,15 +94,15 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
     switch (e.kind) {
       case Kind::kBegin:
       case Kind::kIssue:
-        queue.emplace_back(e.time_us, -1.0);
+        queue.push_back({e.time_us, -1.0, e.bytes});
         break;
       case Kind::kWaitBegin:
-        if (!queue.empty()) queue.front().second = e.time_us;
+        if (!queue.empty()) queue.front().wait = e.time_us;
         break;
       case Kind::kEnd:
       case Kind::kWaitEnd: {
         if (queue.empty()) break;
-        auto [begin, wait] = queue.front();
+        const Open started = queue.front();
         queue.pop_front();
         const bool compute = lane_of(e.op) == 0;
         const char* color = e.op == "forward"          ? "#4e79a7"
@@ -106,7 +111,8 @@ std::vector<Span> spans_of(const std::vector<Event>& events) {
                             : e.op == "all_gather"     ? "#f28e2b"
                             : e.op == "reduce_scatter" ? "#e15759"
                                                        : "#b07aa1";
-        spans.push_back({lane_of(e.op), begin, e.time_us, wait, e.op, e.module, color});
+        spans.push_back({lane_of(e.op), started.begin, e.time_us, started.wait, e.op, e.module,
+                         color, started.bytes});
         break;
       }
     }
@@ -182,6 +188,18 @@ void record(Kind kind, std::string_view op, std::string_view module) {
                       std::chrono::duration<double, std::micro>(now - r.origin).count()});
 }
 
+void record_bytes(std::string_view op, std::string_view module, int64_t bytes) {
+  Recorder& r = recorder();
+  if (!r.on.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (auto it = r.events.rbegin(); it != r.events.rend(); ++it) {
+    if (it->kind == Kind::kIssue && it->op == op && it->module == module) {
+      it->bytes = bytes;
+      return;
+    }
+  }
+}
+
 std::string describe(const Event& event) {
   const char* name = short_name(event.op);
   return std::string(name ? name : event.op.c_str()) + " " + kind_name(event.kind) + " " +
@@ -198,17 +216,16 @@ std::string to_chrome_json(const std::vector<Event>& events, int rank) {
                             {"tid", lane},
                             {"args", {{"name", lanes[lane]}}}});
   }
-  const auto span = [&](const std::string& name, int lane, double begin, double end) {
-    trace_events.push_back({{"name", name},
-                            {"ph", "X"},
-                            {"pid", rank},
-                            {"tid", lane},
-                            {"ts", begin},
-                            {"dur", end - begin}});
+  const auto span = [&](const std::string& name, int lane, double begin, double end,
+                        int64_t bytes) {
+    nlohmann::json event = {{"name", name}, {"ph", "X"},   {"pid", rank},
+                            {"tid", lane},  {"ts", begin}, {"dur", end - begin}};
+    if (bytes > 0) event["args"] = {{"bytes_sent", bytes}};
+    trace_events.push_back(std::move(event));
   };
   for (const Span& s : spans_of(events)) {
-    span(s.label, s.lane, s.begin, s.end);
-    if (s.wait_begin >= 0) span("wait " + s.label, s.lane, s.wait_begin, s.end);
+    span(s.label, s.lane, s.begin, s.end, s.bytes);
+    if (s.wait_begin >= 0) span("wait " + s.label, s.lane, s.wait_begin, s.end, 0);
   }
   // Module names come from the user's model; dump() escapes them (and replaces bytes that
   // are not UTF-8 instead of failing).
@@ -245,11 +262,12 @@ std::string to_svg(const std::vector<Event>& events, const std::string& title) {
     const bool bar = enclosing || recompute;
     const double y = top + s.lane * lane_height + (enclosing ? 0 : recompute ? lane_height - 4 : 4);
     const double height = bar ? 3 : lane_height - 8;
+    const std::string sent = s.bytes > 0 ? ", " + std::to_string(s.bytes) + " bytes sent" : "";
     std::snprintf(buffer, sizeof(buffer),
                   "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\" "
-                  "fill-opacity=\"0.55\" stroke=\"white\"><title>%s %.0f us</title></rect>\n",
+                  "fill-opacity=\"0.55\" stroke=\"white\"><title>%s %.0f us%s</title></rect>\n",
                   x(s.begin), y, std::max(0.5, x(s.end) - x(s.begin)), height, s.color.c_str(),
-                  xml_escape(s.label).c_str(), s.end - s.begin);
+                  xml_escape(s.label).c_str(), s.end - s.begin, sent.c_str());
     out << buffer;
     if (!bar && x(s.end) - x(s.begin) > 7.0 * s.label.size()) {
       std::snprintf(buffer, sizeof(buffer), "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n",

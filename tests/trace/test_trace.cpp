@@ -62,6 +62,31 @@ TEST(Trace, ChromeJsonHasOneSpanPerPairAndTheWait) {
       << trace;
 }
 
+TEST(Trace, ACollectiveCarriesTheBytesItSent) {
+  start();
+  record(Kind::kIssue, "all_gather", "m");
+  record(Kind::kIssue, "all_gather", "m");  // the latest one gets the bytes
+  record_bytes("all_gather", "m", 4096);
+  record(Kind::kWaitBegin, "all_gather", "m");
+  record(Kind::kWaitEnd, "all_gather", "m");
+  record(Kind::kWaitBegin, "all_gather", "m");
+  record(Kind::kWaitEnd, "all_gather", "m");
+  const std::vector<Event> events = stop();
+  ASSERT_EQ(events.size(), 6u);
+  EXPECT_EQ(events[0].bytes, 0);
+  EXPECT_EQ(events[1].bytes, 4096);
+  const nlohmann::json trace = nlohmann::json::parse(to_chrome_json(events, 0));
+  int with_bytes = 0;
+  for (const auto& event : trace.at("traceEvents")) {
+    if (event.contains("args") && event.at("args").contains("bytes_sent")) {
+      EXPECT_EQ(event.at("args").at("bytes_sent"), 4096) << event;
+      ++with_bytes;
+    }
+  }
+  EXPECT_EQ(with_bytes, 1);
+  EXPECT_EQ(count(to_svg(events, "t"), ", 4096 bytes sent</title>"), 1u);
+}
+
 TEST(Trace, SvgDrawsEverySpanAndWait) {
   const std::string svg = to_svg(sample(), "title");
   EXPECT_EQ(svg.rfind("<svg ", 0), 0u);
