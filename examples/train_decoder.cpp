@@ -425,6 +425,7 @@ hp::FullyShardOptions shard_options(const TrainOptions& o,
   options.comm_policy.all_gather_codec = hp::parse_comm_codec(o.ag_codec);
   options.comm_policy.reduce_scatter_codec = hp::parse_comm_codec(o.rs_codec);
   options.comm_policy.block_size = o.codec_block;
+  options.comm_policy.error_feedback = o.error_feedback;
   return options;
 }
 

@@ -45,6 +45,7 @@ struct TrainOptions {
   std::string ag_codec = "none";
   std::string rs_codec = "none";
   int64_t codec_block = 256;
+  bool error_feedback = false;  // the reduce-scatter's quantization residual carried over
   double timeout =
       0;  // seconds start-up and collectives wait for the others; 0: HP_TIMEOUT_S or 300
   std::string recompute = "none";  // activation recomputation: none | reentrant | non-reentrant

@@ -46,6 +46,11 @@ struct CommPolicy {
   CommCodec reduce_scatter_codec = CommCodec::kNone;
   // Values per fp32 scale: 256 costs 4 bytes per 256 one-byte codes (1.6%).
   int64_t block_size = 256;
+  // Error feedback for the quantized reduce-scatter (needs reduce_scatter_codec): what a
+  // step's codes did not carry is kept per parameter (fp32, the unsharded gradient's size,
+  // on each rank) and sent with the next step's gradient. Not in checkpoints: a resumed
+  // run starts with a zero residual.
+  bool error_feedback = false;
 };
 
 }  // namespace hp

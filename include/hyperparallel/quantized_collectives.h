@@ -21,7 +21,12 @@ CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, cons
 // As reduce_scatter with kSum or kAvg: each rank quantizes the chunk of its input meant
 // for each peer (one row per peer), sends it by all-to-all, and the owner dequantizes
 // the chunks it received and sums them in fp32, in group-rank order (deterministic).
+// `residual` (optional: contiguous fp32 with the input's numel) is error feedback: it is
+// added to the input before quantizing and then holds what the codes did not carry (the
+// sum minus what they stand for), for the next call to send; over many calls the error
+// of the summed outputs then stays that of one call instead of growing with their count.
 CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
-                                    const Group& group, CommCodec codec, int64_t block_size);
+                                    const Group& group, CommCodec codec, int64_t block_size,
+                                    const at::Tensor& residual = {});
 
 }  // namespace hp

@@ -58,7 +58,8 @@ CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, cons
 }
 
 CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
-                                    const Group& group, CommCodec codec, int64_t block_size) {
+                                    const Group& group, CommCodec codec, int64_t block_size,
+                                    const at::Tensor& residual) {
   require_codec("quantized_reduce_scatter", codec, block_size);
   require_parts("quantized_reduce_scatter", input, output, group);
   TORCH_CHECK_VALUE(op == ReduceOp::kSum || op == ReduceOp::kAvg,
@@ -67,7 +68,20 @@ CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, 
   if (!group.communicates()) return reduce_scatter(std::move(output), input, op, group);
   const int64_t n = output.numel();
   const int64_t peers = group.size();
-  const at::Tensor packed = pack(quantize_blocks(input.view({peers, n}), codec, block_size));
+  at::Tensor values = input.view({peers, n});
+  if (residual.defined()) {
+    TORCH_CHECK_VALUE(residual.is_contiguous() && residual.scalar_type() == at::kFloat &&
+                          residual.numel() == input.numel() && residual.device() == input.device(),
+                      "quantized_reduce_scatter: the residual must be a contiguous fp32 tensor of ",
+                      input.numel(), " elements on the input's device, got ", residual.sizes(), " ",
+                      residual.scalar_type(), " on ", residual.device());
+    values = values.to(at::kFloat) + residual.view({peers, n});
+  }
+  const QuantizedBlocks blocks = quantize_blocks(values, codec, block_size);
+  if (residual.defined()) {
+    residual.view({peers, n}).copy_(values - dequantize_blocks(blocks, block_size, at::kFloat));
+  }
+  const at::Tensor packed = pack(blocks);
   at::Tensor received = at::empty_like(packed);
   CommHandle exchange = all_to_all(received, packed, group);
   return CommHandle::after({std::move(exchange)}, [output, received, n, peers, op, codec,

@@ -75,12 +75,12 @@ CommHandle gather(const at::Tensor& output, const at::Tensor& input, const Group
 }
 
 CommHandle scatter(const at::Tensor& output, const at::Tensor& input, const Group& group,
-                   const CommPolicy& policy) {
+                   const CommPolicy& policy, const at::Tensor& residual) {
   if (policy.reduce_scatter_codec == CommCodec::kNone) {
     return reduce_scatter(output, input, ReduceOp::kSum, group);
   }
   return quantized_reduce_scatter(output, input, ReduceOp::kSum, group, policy.reduce_scatter_codec,
-                                  policy.block_size);
+                                  policy.block_size, residual);
 }
 
 }  // namespace
@@ -152,8 +152,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          double divide_before, bool comm_fusion,
-                                         const CommPolicy& policy, bool keep_grads,
-                                         ReduceBufferStats& stats) {
+                                         const CommPolicy& policy, const ResidualOf& residual_of,
+                                         bool keep_grads, ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
   ReduceScatterResult result;
   const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(reduce_dtype));
@@ -182,7 +182,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     }
     if (divide_before != 1.0) input.div_(divide_before);
     result.inputs.push_back({input.view(-1), /*owned=*/true});
-    result.handle = scatter(result.buffer, input.view(-1), group, policy);
+    result.handle =
+        scatter(result.buffer, input.view(-1), group, policy, residual_of(nullptr, input));
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);
@@ -198,7 +199,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
         grads[i] = at::Tensor();
         at::Tensor slot =
             result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-        reduce_scatters.push_back(scatter(slot, part.tensor, group, policy));
+        reduce_scatters.push_back(
+            scatter(slot, part.tensor, group, policy, residual_of(params[i], part.tensor)));
         result.inputs.push_back(std::move(part));
       }
     } catch (...) {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <vector>
 
 #include "comm_streams.h"
@@ -81,13 +82,17 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // own input as soon as it is copied) and issues one reduce-scatter into the buffer.
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
 // other than the one that made them reads them (CommStreams). With
-// policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead.
+// policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead, and
+// with policy.error_feedback carries the residual `residual_of` gives for its input.
+// The error-feedback residual of a reduce-scatter input: a parameter's, or (nullptr) the
+// fused input of all of them.
+using ResidualOf = std::function<at::Tensor(const FSDPParam* param, const at::Tensor& input)>;
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          double divide_before, bool comm_fusion,
-                                         const CommPolicy& policy, bool keep_grads,
-                                         ReduceBufferStats& stats);
+                                         const CommPolicy& policy, const ResidualOf& residual_of,
+                                         bool keep_grads, ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,
 // before dropping buffers that collectives already issued still write into.

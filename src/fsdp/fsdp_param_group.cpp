@@ -249,8 +249,17 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const int64_t sent_before = wire_bytes().total();
+  const auto residual_of = [this](const FSDPParam* param, const at::Tensor& input) {
+    if (!comm_policy_.error_feedback) return at::Tensor();
+    at::Tensor& residual = residuals_[param];
+    // Made at the first reduction (and again should the fused layout change).
+    if (!residual.defined() || residual.numel() != input.numel()) {
+      residual = at::zeros({input.numel()}, input.options().dtype(at::kFloat));
+    }
+    return residual;
+  };
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
-                                   divide.before, comm_fusion_, comm_policy_,
+                                   divide.before, comm_fusion_, comm_policy_, residual_of,
                                    /*keep_grads=*/streams_->active(), stats_);
   trace::record_bytes("reduce_scatter", label_, wire_bytes().total() - sent_before);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the

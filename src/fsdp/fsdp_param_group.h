@@ -9,6 +9,7 @@
 // the first wait(), never earlier.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -136,6 +137,9 @@ class FSDPParamGroup {
   FSDPMeshInfo mesh_info_;
   bool comm_fusion_;
   CommPolicy comm_policy_;
+  // comm_policy.error_feedback: the quantized reduce-scatters' residuals, per parameter
+  // (nullptr: the fused input), fp32.
+  std::map<const FSDPParam*, at::Tensor> residuals_;
   std::string label_ = "module";
   State state_ = State::kSharded;
   CommHandle pending_unshard_;

@@ -15,6 +15,11 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   TORCH_CHECK_VALUE(options.comm_policy.block_size > 0,
                     "comm_policy.block_size must be > 0 (values per quantization scale), got ",
                     options.comm_policy.block_size);
+  TORCH_CHECK_VALUE(!options.comm_policy.error_feedback ||
+                        options.comm_policy.reduce_scatter_codec != CommCodec::kNone,
+                    "comm_policy.error_feedback keeps the quantized reduce-scatter's residual, "
+                    "and comm_policy.reduce_scatter_codec is none: set a codec or turn error "
+                    "feedback off");
   std::vector<detail::ModulePtr> module_ptrs;
   std::vector<std::weak_ptr<torch::nn::Module>> roots;
   for (const auto& m : modules) {

@@ -114,6 +114,47 @@ HP_DIST_TEST(QuantizedCollectives, WireBytesAreAQuarterOfFp32s, 2, 4) {
   EXPECT_LT(static_cast<double>(quantized.total()) / plain.total(), 0.26);
 }
 
+// The same input reduced 8 times: without error feedback the summed outputs are 8 times
+// one call's error off; with it, the residuals carry what each call's codes missed, so
+// the sum stays within about one call's error.
+HP_DIST_TEST(QuantizedCollectives, ErrorFeedbackKeepsTheSummedErrorOfOneCall, 2, 3) {
+  const Group& group = *testing::world()->world_group();
+  const int64_t n = 64;
+  const int64_t calls = 8;
+  const at::Tensor input = input_of(group.rank(), n * group.size(), at::kFloat);
+  at::Tensor exact = torch::zeros({n});
+  for (int64_t r = 0; r < group.size(); ++r) {
+    exact += input_of(r, n * group.size(), at::kFloat).narrow(0, group.rank() * n, n);
+  }
+  const auto summed_error = [&](const at::Tensor& residual, double* first_call_error) {
+    at::Tensor sum = torch::zeros({n});
+    for (int64_t call = 0; call < calls; ++call) {
+      at::Tensor out = torch::empty({n});
+      quantized_reduce_scatter(out, input, ReduceOp::kSum, group, CommCodec::kInt8, kBlock,
+                               residual)
+          .wait();
+      if (call == 0 && first_call_error) {
+        *first_call_error = (out - exact).abs().max().item<double>();
+      }
+      sum += out;
+    }
+    return (sum - calls * exact).abs().max().item<double>();
+  };
+  double one_call = 0;
+  const double without = summed_error({}, &one_call);
+  const at::Tensor residual = torch::zeros({n * group.size()});
+  const double with = summed_error(residual, nullptr);
+  ASSERT_GT(one_call, 0);
+  EXPECT_NEAR(without, calls * one_call, 1e-4 * calls * one_call);
+  EXPECT_LE(with, 2 * one_call);
+  EXPECT_GT(residual.abs().max().item<double>(), 0) << "nothing was carried over";
+  EXPECT_NE(error_of([&] {
+              quantized_reduce_scatter(torch::empty({n}), input, ReduceOp::kSum, group,
+                                       CommCodec::kInt8, kBlock, torch::zeros({n}));
+            }).find("the residual must be a contiguous fp32 tensor of"),
+            std::string::npos);
+}
+
 HP_DIST_TEST(QuantizedCollectives, BadArgumentsAreNamed, 2) {
   const Group& group = *testing::world()->world_group();
   at::Tensor out = torch::empty({8});

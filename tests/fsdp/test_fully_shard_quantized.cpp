@@ -143,8 +143,8 @@ HP_DIST_TEST(FullyShardQuantized, GradientsAreTheQuantizedPerRankGradientsSummed
 }
 
 // 30 AdamW steps with int8 weights and gradients, per parameter, fused, with bf16
-// parameters, matrices sharded on dim 1 and shards offloaded: close to the full-precision
-// reference, not equal to it, and the same bit for bit when run again.
+// parameters, matrices sharded on dim 1, shards offloaded and with error feedback: close to the
+// full-precision reference, not equal to it, and the same bit for bit when run again.
 HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2) {
   const int64_t ranks = testing::world()->size();
   const int64_t rank = testing::world()->rank();
@@ -153,10 +153,13 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
                            .block_size = kBlock};
   struct Case {
     const char* name;
-    bool comm_fusion = false, bf16 = false, shard_dim1 = false, offload = false;
+    bool comm_fusion = false, bf16 = false, shard_dim1 = false, offload = false,
+         error_feedback = false;
   };
   const auto train = [&](const Case& c, std::vector<double>* reference_losses) {
-    QuantizedMlp f(int8, c.comm_fusion, c.bf16, c.shard_dim1, c.offload);
+    CommPolicy policy = int8;
+    policy.error_feedback = c.error_feedback;
+    QuantizedMlp f(policy, c.comm_fusion, c.bf16, c.shard_dim1, c.offload);
     torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
     torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
     std::vector<double> losses;
@@ -181,7 +184,9 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
   };
   for (const Case& c :
        {Case{"per parameter"}, Case{"comm_fusion", true}, Case{"bf16 parameters", false, true},
-        Case{"Shard(1)", false, false, true}, Case{"offload", false, false, false, true}}) {
+        Case{"Shard(1)", false, false, true}, Case{"offload", false, false, false, true},
+        Case{"error feedback", false, false, false, false, true},
+        Case{"error feedback, comm_fusion", true, false, false, false, true}}) {
     SCOPED_TRACE(c.name);
     std::vector<double> reference;
     const std::vector<double> losses = train(c, &reference);
@@ -226,11 +231,16 @@ HP_DIST_TEST(FullyShardQuantized, TracedCollectivesCarryTheBytesTheySent, 2) {
   EXPECT_GT(static_cast<double>(int8) / full, 0.3);
 }
 
-HP_DIST_TEST(FullyShardQuantized, ABadBlockSizeIsNamed, 1) {
+HP_DIST_TEST(FullyShardQuantized, ABadPolicyIsNamed, 1) {
   Sharded<Mlp> model(5, 8, 9, 3, 1);
   FullyShardOptions options;
   options.comm_policy.block_size = 0;
   EXPECT_NE(error_of([&] { fully_shard(model, options); }).find("comm_policy.block_size"),
+            std::string::npos);
+  options.comm_policy = {.error_feedback = true};
+  EXPECT_NE(error_of([&] {
+              fully_shard(model, options);
+            }).find("comm_policy.error_feedback keeps the quantized reduce-scatter's residual"),
             std::string::npos);
 }
 

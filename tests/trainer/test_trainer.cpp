@@ -649,7 +649,8 @@ TEST(Trainer, PipelineSchedulesTrainAlikeAndLikeDataParallel) {
 }
 
 // int8 weight all-gathers and gradient reduce-scatters on 2 ranks: the final validation
-// loss within 1% of full precision's and the warm-up steps' losses within 0.5% (later, at
+// loss within 1% of full precision's (also with error feedback) and the warm-up steps'
+// losses within 0.5% (later, at
 // the peak learning rate, one run may spike where the other does not), not equal to them
 // (something was quantized), and a rerun gives them again bit for bit; the resolved
 // configuration shows the codecs.
@@ -682,13 +683,21 @@ TEST(Trainer, QuantizedCollectivesTrainCloseToFullPrecisionAndRerunBitwise) {
   const double full_precision = validation_loss(plain_output);
   ASSERT_GT(full_precision, 0) << plain_output;
   EXPECT_NEAR(validation_loss(output), full_precision, 0.01 * full_precision) << output;
+  const std::string feedback_output = run_with("int8-ef", int8 + "--error-feedback ").first;
+  EXPECT_TRUE(contains(feedback_output, "[rank 0] error-feedback=true")) << feedback_output;
+  EXPECT_NEAR(validation_loss(feedback_output), full_precision, 0.01 * full_precision)
+      << feedback_output;
 }
 
 TEST(Trainer, CodecMisuseIsAUsageError) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--ag-codec int4", "--ag-codec: int4 not in {none,int8,fp8}"},
       {"--codec-block 64", "--codec-block applies to quantized collectives"},
-      {"--rs-codec int8 --codec-block 0", "--codec-block: Value 0 not in range"}};
+      {"--rs-codec int8 --codec-block 0", "--codec-block: Value 0 not in range"},
+      {"--ag-codec int8 --error-feedback",
+       "--error-feedback carries the quantized "
+       "reduce-scatter's residual: give --rs-codec"},
+      {"--rs-codec int8 --error-feedback --save ckpt", "residual is not in checkpoints yet"}};
   for (const auto& [flags, message] : cases) {
     const ProgramRun run = train("", "--steps 2 " + flags);
     EXPECT_EQ(run.exit_code, 2) << flags << "\n" << run.output;
