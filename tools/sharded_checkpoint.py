@@ -26,9 +26,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 COMPLETE_RECORD = "index.json crc32 "
-# Names of the optimizer's state and the program's extras; the rest are the model's
-# (under "model/" in checkpoints of earlier versions).
-NOT_MODEL_PREFIXES = ("optim/", "extra/")
+# Names of the optimizer's state, the program's extras and the error-feedback residuals;
+# the rest are the model's (under "model/" in checkpoints of earlier versions).
+NOT_MODEL_PREFIXES = ("optim/", "extra/", "error_feedback/")
 EARLIER_MODEL_PREFIX = "model/"
 
 

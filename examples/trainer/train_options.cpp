@@ -176,7 +176,7 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
       ->group("Parallelism");
   app.add_flag("--error-feedback", o.error_feedback,
                "keep what --rs-codec's codes did not carry and send it with the next step's "
-               "gradient (fp32, the unsharded gradient's size per rank; not in checkpoints)")
+               "gradient (fp32, the unsharded gradient's size per rank; kept in checkpoints)")
       ->group("Parallelism");
   app.add_option("--timeout", o.timeout,
                  "seconds start-up and every collective wait for the other ranks before failing "
@@ -356,10 +356,6 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   }
   if (o.error_feedback && o.rs_codec == "none") {
     return "--error-feedback carries the quantized reduce-scatter's residual: give --rs-codec";
-  }
-  if (o.error_feedback && (!o.save.empty() || !o.resume.empty())) {
-    return "--error-feedback's residual is not in checkpoints yet, so a resumed run would "
-           "differ from an uninterrupted one: drop --save / --resume or --error-feedback";
   }
   if (o.resume == "auto" && o.save.empty()) {
     return "--resume auto needs --save DIR (the checkpoints it looks for)";

@@ -48,8 +48,8 @@ struct CommPolicy {
   int64_t block_size = 256;
   // Error feedback for the quantized reduce-scatter (needs reduce_scatter_codec): what a
   // step's codes did not carry is kept per parameter (fp32, the unsharded gradient's size,
-  // on each rank) and sent with the next step's gradient. Not in checkpoints: a resumed
-  // run starts with a zero residual.
+  // on each rank) and sent with the next step's gradient. Sharded checkpoints keep it, so
+  // that a resumed run continues exactly (on the mesh it was saved from).
   bool error_feedback = false;
 };
 

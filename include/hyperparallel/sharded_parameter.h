@@ -64,6 +64,17 @@ class ShardedParameter {
   // Copies `local` (shaped as local()) into the shard.
   void set_local(const at::Tensor& local) const;
 
+  // With CommPolicy::error_feedback, what this rank's quantized reduce-scatters of the
+  // gradient have not carried yet (checkpoints keep it): fp32, shaped
+  // error_feedback_residual_shape(), [shard ranks x padded shard size] laid out like the
+  // reduce-scatter input. Undefined before the first reduction (zeros) and without error
+  // feedback, when the shape is empty.
+  at::Tensor error_feedback_residual() const;
+  std::vector<int64_t> error_feedback_residual_shape() const;
+  // Replaces it; undefined resets it to zeros. c10::ValueError for another shape, or
+  // without error feedback.
+  void set_error_feedback_residual(const at::Tensor& residual) const;
+
  private:
   std::shared_ptr<detail::FSDPState> state_;
   detail::FSDPParam* param_;

@@ -37,9 +37,10 @@ inline constexpr const char* kCompleteMarker = "COMPLETE";
 inline constexpr const char* kCompleteRecord = "index.json crc32 ";
 
 // Tensors are named by the model's fully qualified names, and these prefixes for the
-// optimizer's state and the program's extras.
+// optimizer's state, the program's extras and the error-feedback residuals.
 inline constexpr const char* kOptimizerPrefix = "optim/";
 inline constexpr const char* kExtraPrefix = "extra/";
+inline constexpr const char* kResidualPrefix = "error_feedback/";
 
 // What a rank's file says about each piece besides dtype and shape (the safetensors
 // header's "__metadata__" entry of this name, a JSON object by tensor name).

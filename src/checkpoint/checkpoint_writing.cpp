@@ -13,6 +13,7 @@
 
 #include "checkpoint_index.h"
 #include "durable_files.h"
+#include "error_feedback_residuals.h"
 #include "hyperparallel/collectives.h"
 #include "safetensors_file.h"
 #include "state_io.h"
@@ -107,6 +108,10 @@ RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
   RankSave save{world_of(params, caller), {}};
   save.pieces =
       pieces_of_rank(params, model, optimizer, extra, !save.world || save.world->rank() == 0);
+  for (RankPiece& piece : error_feedback_residual_pieces(params)) {
+    piece.name = kResidualPrefix + piece.name;
+    save.pieces.push_back(std::move(piece));
+  }
   return save;
 }
 

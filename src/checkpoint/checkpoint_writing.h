@@ -28,8 +28,8 @@ struct RankPiece {
 };
 
 // What this rank saves of `model`, `optimizer` and `extra`: one copy of every shard (HSDP
-// replicas: replicate rank 0) and on rank 0 everything kept whole, the tensors the live
-// ones (detached); and the World the save is a collective over (null: this process
+// replicas: replicate rank 0), on rank 0 everything kept whole, and its own error-feedback
+// residuals; the tensors the live ones (detached); and the World the save is a collective over (null: this process
 // alone). Checks first, before any collective, that every fully_shard-ed parameter is
 // sharded (errors name `caller`), so that all ranks throw or none does.
 struct RankSave {

@@ -22,6 +22,7 @@
 #include "../materialize/model_params.h"
 #include "checkpoint_index.h"
 #include "checkpoint_writing.h"
+#include "error_feedback_residuals.h"
 #include "full_tensor_source.h"
 #include "safetensors_file.h"
 #include "state_io.h"
@@ -127,15 +128,16 @@ class ShardedCheckpointReader {
         index_(is_complete_checkpoint(dir_) ? verified_index(dir_)
                                             : index_of_pytorch_checkpoint(dir_, caller)) {}
 
-  // The model's parameters and buffers: the entries that are neither optimizer state nor
-  // extras (in a checkpoint of an earlier version, those under "model/").
+  // The model's parameters and buffers: the entries that are neither optimizer state,
+  // extras nor residuals (in a checkpoint of an earlier version, those under "model/").
   detail::FullTensorSource model_source() {
     const bool earlier = std::any_of(index_.begin(), index_.end(), [](const auto& entry) {
       return entry.first.starts_with(kEarlierModelPrefix);
     });
     return source(earlier ? kEarlierModelPrefix : "", [earlier](const std::string& name) {
-      return earlier || !(name.starts_with(detail::kOptimizerPrefix) ||
-                          name.starts_with(detail::kExtraPrefix));
+      return earlier ||
+             !(name.starts_with(detail::kOptimizerPrefix) ||
+               name.starts_with(detail::kExtraPrefix) || name.starts_with(detail::kResidualPrefix));
     });
   }
 
@@ -256,6 +258,8 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
           detail::load_optimizer_state(model, *optimizer, reader.source(detail::kOptimizerPrefix),
                                        strict, caller);
         }
+        detail::load_error_feedback_residuals(params, reader.source(detail::kResidualPrefix),
+                                              caller);
         const detail::FullTensorSource extras = reader.source(detail::kExtraPrefix);
         for (const auto& name : extras.names) extra.insert(name, extras.read(name));
       });

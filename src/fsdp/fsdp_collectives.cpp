@@ -182,8 +182,23 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     }
     if (divide_before != 1.0) input.div_(divide_before);
     result.inputs.push_back({input.view(-1), /*owned=*/true});
-    result.handle =
-        scatter(result.buffer, input.view(-1), group, policy, residual_of(nullptr, input));
+    if (!policy.error_feedback) {
+      result.handle = scatter(result.buffer, input.view(-1), group, policy, at::Tensor());
+      return result;
+    }
+    // Each parameter keeps its own residual, so that it does not depend on which
+    // parameters a reduction fuses (and checkpoints hold it per parameter).
+    at::Tensor residual = at::zeros({shards, total}, options.dtype(at::kFloat));
+    std::vector<at::Tensor> residuals;
+    for (size_t i = 0; i < params.size(); ++i) {
+      residuals.push_back(residual_of(*params[i], input.device()));
+      residual.narrow(1, result.offsets[i], params[i]->layout().padded_numel)
+          .copy_(residuals.back());
+    }
+    result.handle = scatter(result.buffer, input.view(-1), group, policy, residual.view(-1));
+    for (size_t i = 0; i < params.size(); ++i) {
+      residuals[i].copy_(residual.narrow(1, result.offsets[i], params[i]->layout().padded_numel));
+    }
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);
@@ -199,8 +214,10 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
         grads[i] = at::Tensor();
         at::Tensor slot =
             result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-        reduce_scatters.push_back(
-            scatter(slot, part.tensor, group, policy, residual_of(params[i], part.tensor)));
+        const at::Tensor residual = policy.error_feedback
+                                        ? residual_of(*params[i], part.tensor.device()).view(-1)
+                                        : at::Tensor();
+        reduce_scatters.push_back(scatter(slot, part.tensor, group, policy, residual));
         result.inputs.push_back(std::move(part));
       }
     } catch (...) {

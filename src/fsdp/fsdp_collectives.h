@@ -83,10 +83,11 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
 // other than the one that made them reads them (CommStreams). With
 // policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead, and
-// with policy.error_feedback carries the residual `residual_of` gives for its input.
-// The error-feedback residual of a reduce-scatter input: a parameter's, or (nullptr) the
-// fused input of all of them.
-using ResidualOf = std::function<at::Tensor(const FSDPParam* param, const at::Tensor& input)>;
+// with policy.error_feedback carries the residuals `residual_of` gives (the fused input
+// carries its parameters' residuals, copied in and back out).
+// A parameter's error-feedback residual on `device`: [shards x padded_numel] fp32,
+// rank-major like its reduce-scatter input, kept from one reduction to the next.
+using ResidualOf = std::function<at::Tensor(const FSDPParam& param, c10::Device device)>;
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,

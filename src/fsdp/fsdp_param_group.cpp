@@ -249,12 +249,12 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const int64_t sent_before = wire_bytes().total();
-  const auto residual_of = [this](const FSDPParam* param, const at::Tensor& input) {
-    if (!comm_policy_.error_feedback) return at::Tensor();
-    at::Tensor& residual = residuals_[param];
-    // Made at the first reduction (and again should the fused layout change).
-    if (!residual.defined() || residual.numel() != input.numel()) {
-      residual = at::zeros({input.numel()}, input.options().dtype(at::kFloat));
+  const auto residual_of = [this](const FSDPParam& param, c10::Device device) {
+    at::Tensor& residual = residuals_[&param];
+    if (!residual.defined()) {
+      residual = at::zeros(residual_shape(param), at::dtype(at::kFloat).device(device));
+    } else if (residual.device() != device) {  // loaded from a checkpoint
+      residual = residual.to(device);
     }
     return residual;
   };
@@ -266,6 +266,30 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   // same scale as complete ones. On a GPU the division runs on the lane too.
   r.scatter.handle = streams_->complete_on_lane(
       Lane::kReduceScatter, divided_when_done(r.scatter.handle, r.scatter.buffer, divide.after));
+}
+
+std::vector<int64_t> FSDPParamGroup::residual_shape(const FSDPParam& param) const {
+  return {mesh_info_.shard_reduce->size(), param.layout().padded_numel};
+}
+
+at::Tensor FSDPParamGroup::residual(const FSDPParam& param) const {
+  const auto it = residuals_.find(&param);
+  return it == residuals_.end() ? at::Tensor() : it->second;
+}
+
+void FSDPParamGroup::set_residual(const FSDPParam& param, at::Tensor residual) {
+  TORCH_CHECK_VALUE(comm_policy_.error_feedback, "fully_shard module '", label_,
+                    "' keeps no error-feedback residual (CommPolicy::error_feedback is off)");
+  const std::vector<int64_t> shape = residual_shape(param);
+  if (!residual.defined()) {
+    residuals_.erase(&param);
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      residual.sizes() == c10::IntArrayRef(shape) && residual.scalar_type() == at::kFloat,
+      "the error-feedback residual of '", param.name(), "' is fp32 of shape ",
+      c10::IntArrayRef(shape), ", got ", residual.scalar_type(), " of shape ", residual.sizes());
+  residuals_[&param] = residual.contiguous();
 }
 
 void FSDPParamGroup::wait_reduce_scatter() {

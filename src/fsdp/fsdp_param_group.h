@@ -107,6 +107,18 @@ class FSDPParamGroup {
   void zero_grad();
   const ReduceBufferStats& reduce_buffer_stats() const { return stats_; }
 
+  // --- error feedback (CommPolicy::error_feedback) ------------------------------------
+  // What this rank's quantized reduce-scatters of `param`'s gradient have not carried
+  // yet: fp32, residual_shape(param), rank-major like the reduce-scatter input. Undefined
+  // before the first reduction (zeros then) and without error feedback.
+  bool error_feedback() const { return comm_policy_.error_feedback; }
+  std::vector<int64_t> residual_shape(const FSDPParam& param) const;
+  at::Tensor residual(const FSDPParam& param) const;
+  // Replaces it (from a checkpoint; undefined: zeros). It moves to the gradients' device
+  // at the next reduction. Throws c10::ValueError for another shape or dtype, or without
+  // error feedback.
+  void set_residual(const FSDPParam& param, at::Tensor residual);
+
  private:
   enum class State { kSharded, kPending, kUnsharded };
 
@@ -137,9 +149,7 @@ class FSDPParamGroup {
   FSDPMeshInfo mesh_info_;
   bool comm_fusion_;
   CommPolicy comm_policy_;
-  // comm_policy.error_feedback: the quantized reduce-scatters' residuals, per parameter
-  // (nullptr: the fused input), fp32.
-  std::map<const FSDPParam*, at::Tensor> residuals_;
+  std::map<const FSDPParam*, at::Tensor> residuals_;  // error feedback, made when first used
   std::string label_ = "module";
   State state_ = State::kSharded;
   CommHandle pending_unshard_;

@@ -73,6 +73,19 @@ void ShardedParameter::set_local(const at::Tensor& local) const {
   param_->load_local(local);
 }
 
+at::Tensor ShardedParameter::error_feedback_residual() const {
+  return state_->param_group().residual(*param_);
+}
+
+std::vector<int64_t> ShardedParameter::error_feedback_residual_shape() const {
+  const detail::FSDPParamGroup& group = state_->param_group();
+  return group.error_feedback() ? group.residual_shape(*param_) : std::vector<int64_t>();
+}
+
+void ShardedParameter::set_error_feedback_residual(const at::Tensor& residual) const {
+  state_->param_group().set_residual(*param_, residual);
+}
+
 std::optional<ShardedParameter> sharded_parameter_of(const at::Tensor& variable) {
   auto [state, param] = detail::find_fsdp_param(variable);
   if (!state) return std::nullopt;

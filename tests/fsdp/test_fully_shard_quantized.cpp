@@ -2,15 +2,18 @@
 // a reference that applies the same quantization in one process: the unsharded weights
 // are every rank's shard quantized and dequantized, the sharded gradients the quantized
 // per-rank gradients summed in rank order; training stays close to full precision and
-// reruns bit for bit.
+// reruns bit for bit; error feedback's residuals resume from a checkpoint.
 #include <torch/torch.h>
 
 #include "distributed_test.h"
 #include "error_of.h"
 #include "fsdp_test_util.h"
 #include "hyperparallel/comm_codec.h"
+#include "hyperparallel/sharded_checkpoint.h"
+#include "hyperparallel/sharded_parameter.h"
 #include "hyperparallel/trace.h"
 #include "models/mlp.h"
+#include "shared_dir.h"
 
 namespace hp {
 namespace {
@@ -49,7 +52,8 @@ struct QuantizedMlp {
   // bf16: parameters gathered and used in bf16, gradients reduced in fp32. shard_dim1:
   // matrices sharded on dim 1. offload: shards on the host.
   explicit QuantizedMlp(const CommPolicy& policy, bool comm_fusion = false, bool bf16 = false,
-                        bool shard_dim1 = false, bool offload = false) {
+                        bool shard_dim1 = false, bool offload = false,
+                        std::optional<DeviceMesh> mesh = std::nullopt) {
     torch::manual_seed(42);
     reference = Mlp(5, 8, 9, 3, 2);
     torch::manual_seed(42);
@@ -68,6 +72,7 @@ struct QuantizedMlp {
       };
     }
     options.offload_policy.offload = offload;
+    if (mesh) options.mesh = *mesh;
     parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
   }
   FSDPModule root() const { return parts.back().second; }
@@ -197,6 +202,79 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
       EXPECT_NEAR(losses[i], reference[i], 0.03 * reference[i]) << "step " << i;
     }
   }
+}
+
+// Collects c10 warnings (TORCH_WARN) while alive.
+struct CollectedWarnings : c10::WarningHandler {
+  std::vector<std::string> messages;
+  c10::WarningUtils::WarningHandlerGuard guard{this};
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+};
+
+// A sharded checkpoint keeps each rank's error-feedback residuals: training resumed from it
+// continues bit for bit as the uninterrupted run, per parameter and fused, on FSDP and
+// HSDP; resumed with zero residuals it does not. Loaded on another mesh they start from
+// zero, with a warning that says so.
+HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackResumesFromACheckpointBitwise, 2, 4) {
+  auto world = testing::world();
+  const int64_t ranks = world->size();
+  const int64_t rank = world->rank();
+  const std::string dir = testing::shared_dir("hp_error_feedback_resume");
+  const CommPolicy policy = {.all_gather_codec = CommCodec::kInt8,
+                             .reduce_scatter_codec = CommCodec::kInt8,
+                             .block_size = kBlock,
+                             .error_feedback = true};
+  const auto steps = [&](QuantizedMlp& f, torch::optim::AdamW& opt, int first, int count) {
+    std::vector<double> losses;
+    for (int step = first; step < first + count; ++step) {
+      const auto [x, y] = QuantizedMlp::batch(step);
+      opt.zero_grad();
+      const at::Tensor loss = torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
+                                              testing::local_batch(y, rank, ranks));
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  const std::optional<DeviceMesh> saved_mesh =
+      ranks == 4 ? std::optional(DeviceMesh(world, {{"dp_replicate", 2}, {"dp_shard", 2}}))
+                 : std::nullopt;
+  for (const bool comm_fusion : {false, true}) {
+    SCOPED_TRACE(comm_fusion ? "comm_fusion" : "per parameter");
+    const std::string checkpoint = checkpoint_dir_for_step(dir, comm_fusion ? 2 : 1);
+    QuantizedMlp straight(policy, comm_fusion, false, false, false, saved_mesh);
+    torch::optim::AdamW opt(straight.model->parameters(), torch::optim::AdamWOptions(1e-2));
+    steps(straight, opt, 0, 3);
+    save_sharded_checkpoint(checkpoint, *straight.model, &opt);
+    const std::vector<double> expected = steps(straight, opt, 3, 3);
+
+    // same_mesh: the residuals load; keep: they stay (else they are reset to zeros).
+    const auto resumed = [&](const std::optional<DeviceMesh>& mesh, bool same_mesh, bool keep) {
+      QuantizedMlp f(policy, comm_fusion, false, false, false, mesh);
+      torch::optim::AdamW resumed_opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+      load_sharded_checkpoint(checkpoint, *f.model, &resumed_opt);
+      for (const auto& param : f.model->parameters()) {
+        const auto sharded = sharded_parameter_of(param);
+        EXPECT_EQ(sharded->error_feedback_residual().defined(), same_mesh);
+        if (!keep) sharded->set_error_feedback_residual(at::Tensor());
+      }
+      return steps(f, resumed_opt, 3, 3);
+    };
+    EXPECT_EQ(resumed(saved_mesh, true, true), expected);
+    EXPECT_NE(resumed(saved_mesh, true, false), expected) << "the residuals made no difference";
+    if (ranks == 4) {
+      CollectedWarnings warnings;
+      const std::vector<double> elsewhere = resumed(std::nullopt, false, true);  // 1x4
+      ASSERT_FALSE(warnings.messages.empty());
+      EXPECT_NE(warnings.messages.front().find("were saved on another mesh, so"), std::string::npos)
+          << warnings.messages.front();
+      for (size_t i = 0; i < elsewhere.size(); ++i) {
+        EXPECT_NEAR(elsewhere[i], expected[i], 0.03 * expected[i]) << "step " << i;
+      }
+    }
+  }
+  testing::remove_after_all_ranks(dir);
 }
 
 // The trace's collectives carry the bytes each sent: together what hp::wire_bytes counted,

@@ -653,7 +653,8 @@ TEST(Trainer, PipelineSchedulesTrainAlikeAndLikeDataParallel) {
 // losses within 0.5% (later, at
 // the peak learning rate, one run may spike where the other does not), not equal to them
 // (something was quantized), and a rerun gives them again bit for bit; the resolved
-// configuration shows the codecs.
+// configuration shows the codecs. With error feedback, a rank killed mid-run resumes from
+// the checkpoint (which keeps the residuals) and ends with the uninterrupted run's files.
 TEST(Trainer, QuantizedCollectivesTrainCloseToFullPrecisionAndRerunBitwise) {
   TempDir dir;
   const std::string flags = "--steps 20 --log-every 1 --out ";
@@ -683,10 +684,20 @@ TEST(Trainer, QuantizedCollectivesTrainCloseToFullPrecisionAndRerunBitwise) {
   const double full_precision = validation_loss(plain_output);
   ASSERT_GT(full_precision, 0) << plain_output;
   EXPECT_NEAR(validation_loss(output), full_precision, 0.01 * full_precision) << output;
-  const std::string feedback_output = run_with("int8-ef", int8 + "--error-feedback ").first;
+  const std::string feedback = int8 + "--error-feedback --save-every 10 --resume auto --save ";
+  const std::string straight = (dir.path / "ef-straight").string();
+  const std::string feedback_output = run_with("int8-ef", feedback + straight + " ").first;
   EXPECT_TRUE(contains(feedback_output, "[rank 0] error-feedback=true")) << feedback_output;
   EXPECT_NEAR(validation_loss(feedback_output), full_precision, 0.01 * full_precision)
       << feedback_output;
+  const std::string restarted = (dir.path / "ef-restarted").string();
+  const ProgramRun resumed = train(
+      "--max-restarts 1", feedback + restarted + " --fail-by-kill --fail-at-step 15 " +
+                              "--fail-rank 1 --steps 20 --out " + (dir.path / "ef-r").string());
+  EXPECT_TRUE(contains(resumed.output, "resumed from " + checkpoint_dir_for_step(restarted, 10)))
+      << resumed.output;
+  EXPECT_EQ(verdict(resumed.output), verdict(feedback_output)) << resumed.output;
+  expect_same_checkpoint(straight, restarted, 20, 2);
 }
 
 TEST(Trainer, CodecMisuseIsAUsageError) {
@@ -696,8 +707,7 @@ TEST(Trainer, CodecMisuseIsAUsageError) {
       {"--rs-codec int8 --codec-block 0", "--codec-block: Value 0 not in range"},
       {"--ag-codec int8 --error-feedback",
        "--error-feedback carries the quantized "
-       "reduce-scatter's residual: give --rs-codec"},
-      {"--rs-codec int8 --error-feedback --save ckpt", "residual is not in checkpoints yet"}};
+       "reduce-scatter's residual: give --rs-codec"}};
   for (const auto& [flags, message] : cases) {
     const ProgramRun run = train("", "--steps 2 " + flags);
     EXPECT_EQ(run.exit_code, 2) << flags << "\n" << run.output;
