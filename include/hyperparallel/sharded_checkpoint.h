@@ -12,7 +12,8 @@
 //
 // Parameters and buffers are named by their fully qualified names ("layers.0.attn.wq.weight",
 // as PyTorch names them), optimizer state "optim/<parameter name>.<field>" (the names of
-// get_full_optimizer_state_dict) and extras "extra/<name>". HSDP replicas write one copy of
+// get_full_optimizer_state_dict), extras "extra/<name>" and, with CommPolicy::error_feedback,
+// each rank's residuals "error_feedback/<parameter name>" (a row per rank). HSDP replicas write one copy of
 // each shard (replicate rank 0); parameters kept whole (replicated, ignored) and buffers
 // are written by rank 0.
 //
