@@ -7,7 +7,7 @@
 //   L2-05: selective (layers 1 and 3): fully_shard's forward hooks run twice per step for
 //          those layers (forward, recompute) and once for the others.
 // Also the other order of composition: a fully_shard-ed module whose forward recomputes
-// part of itself.
+// part of itself; and recomputation with quantized collectives, bitwise as well.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "cpu_memory_probe.h"
 #include "distributed_test.h"
 #include "fsdp_test_util.h"
+#include "hyperparallel/comm_codec.h"
 #include "hyperparallel/recompute.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
@@ -51,11 +52,13 @@ struct StepRecord {
 // Two AdamW steps of the sharded model with `plan`. With `reference`, the single-process
 // model runs alongside on the global batch and is compared at the plan's tolerance:
 // loss, every gradient, per-layer gradient norms.
-std::vector<StepRecord> train_two_steps(const LayerPlan& plan, bool compare_with_reference) {
+std::vector<StepRecord> train_two_steps(const LayerPlan& plan, bool compare_with_reference,
+                                        const FullyShardOptions& options = {}) {
   const TransformerConfig config = ac_config();
   auto [reference, model] = testing::build_from_seed<Transformer>(42, config);
   model->recompute_layers = plan;
-  testing::ShardedParts parts = testing::shard_blocks_then_root(model->layers, model, "layers.");
+  testing::ShardedParts parts =
+      testing::shard_blocks_then_root(model->layers, model, "layers.", options);
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   std::vector<StepRecord> records;
@@ -99,12 +102,8 @@ void expect_bitwise_equal(const std::map<std::string, at::Tensor>& actual,
   }
 }
 
-// Against the reference at the plan's tolerances, and bitwise against the same sharded
-// training without recomputation: a recompute performs the same operations in the same
-// order, so recomputation must not change a single bit.
-void expect_recomputed_training_matches_reference(const LayerPlan& plan) {
-  const auto recomputed = train_two_steps(plan, /*compare_with_reference=*/true);
-  const auto plain = train_two_steps({}, /*compare_with_reference=*/false);
+void expect_same_training(const std::vector<StepRecord>& recomputed,
+                          const std::vector<StepRecord>& plain) {
   for (size_t step = 0; step < plain.size(); ++step) {
     SCOPED_TRACE("step " + std::to_string(step) + " vs no recomputation");
     EXPECT_EQ(recomputed[step].loss, plain[step].loss);
@@ -112,6 +111,14 @@ void expect_recomputed_training_matches_reference(const LayerPlan& plan) {
     expect_bitwise_equal(recomputed[step].params_after_step, plain[step].params_after_step,
                          "param after step");
   }
+}
+
+// Against the reference at the plan's tolerances, and bitwise against the same sharded
+// training without recomputation: a recompute performs the same operations in the same
+// order, so recomputation must not change a single bit.
+void expect_recomputed_training_matches_reference(const LayerPlan& plan) {
+  expect_same_training(train_two_steps(plan, /*compare_with_reference=*/true),
+                       train_two_steps({}, /*compare_with_reference=*/false));
 }
 
 LayerPlan every_layer(RecomputeImpl impl) { return LayerPlan(ac_config().layers, impl); }
@@ -122,6 +129,23 @@ HP_DIST_TEST(FullyShardWithRecompute, ReentrantMatchesReference, 2) {
 
 HP_DIST_TEST(FullyShardWithRecompute, NonReentrantMatchesReference, 2) {
   expect_recomputed_training_matches_reference(every_layer(RecomputeImpl::kNonReentrant));
+}
+
+// With int8 all-gathers and reduce-scatters (and error feedback) recomputation changes no
+// bit either: the recomputed forward reads the weights the backward all-gather
+// dequantized, which equal the forward's.
+HP_DIST_TEST(FullyShardWithRecompute, QuantizedCollectivesStayBitwiseEqual, 2) {
+  FullyShardOptions quantized;
+  quantized.comm_policy = {.all_gather_codec = CommCodec::kInt8,
+                           .reduce_scatter_codec = CommCodec::kInt8,
+                           .block_size = 64,
+                           .error_feedback = true};
+  const auto plain = train_two_steps({}, /*compare_with_reference=*/false, quantized);
+  expect_same_training(train_two_steps(every_layer(RecomputeImpl::kNonReentrant), false, quantized),
+                       plain);
+  expect_same_training(train_two_steps(every_layer(RecomputeImpl::kReentrant), false, quantized),
+                       plain);
+  EXPECT_NE(plain.front().loss, train_two_steps({}, false).front().loss) << "nothing was quantized";
 }
 
 // Peak live CPU bytes above the start of one forward + backward (sequence 64, 4 sequences
