@@ -21,6 +21,9 @@
 //                    keep     options.reshard_after_forward = false
 //                    int8ag, fp8ag   options.comm_policy.all_gather_codec
 //                    int8rs, fp8rs   options.comm_policy.reduce_scatter_codec
+//                    ef       options.comm_policy.error_feedback = true
+//                    raf2     options.reshard_after_forward = 2 (blocks keep 1/2 after
+//                             forward; backward all-gathers within pairs of ranks)
 // --deferred-init builds every variant's model with hp::deferred_init and materializes it
 // after fully_shard (the same values as an eager build, bit for bit): a rank then never
 // holds more than its shards and about one whole parameter, also while initializing.
@@ -453,6 +456,8 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
     options->mesh = setting.mesh;
     options->comm_fusion = has("fusion");
     if (has("keep")) options->reshard_after_forward = false;
+    if (has("raf2")) options->reshard_after_forward = int64_t{2};
+    options->comm_policy.error_feedback = has("ef");
     for (const char* codec : {"int8", "fp8"}) {
       if (has((std::string(codec) + "ag").c_str())) {
         options->comm_policy.all_gather_codec = hp::parse_comm_codec(codec);

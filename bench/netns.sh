@@ -8,6 +8,10 @@
 #   bench/netns.sh down N         remove them
 #   bench/netns.sh exec CMD...    run CMD in namespace hpbench$LOCAL_RANK (hp-run sets it)
 #
+# NETNS_RANKS_PER_NODE=K (exec): ranks K*i .. K*i+K-1 share namespace i, like the GPUs of
+# one machine: between them traffic goes over the namespace's loopback, unshaped, and
+# only what leaves the "node" is limited to RATE.
+#
 # Launch: hp-run -n N --master-addr 10.231.0.254 -- bench/netns.sh exec PROG
 set -euo pipefail
 
@@ -52,7 +56,8 @@ case "${1:-}" in
     # Gloo must use the namespace's interface (PyTorch's default falls back to loopback
     # when the hostname does not resolve, which would not reach the other ranks).
     export GLOO_SOCKET_IFNAME=eth0
-    exec nsenter --net="/run/netns/$(ns "${LOCAL_RANK:?run under hp-run}")" "$@"
+    node=$((${LOCAL_RANK:?run under hp-run} / ${NETNS_RANKS_PER_NODE:-1}))
+    exec nsenter --net="/run/netns/$(ns "$node")" "$@"
     ;;
   *)
     echo "usage: $0 up N RATE | down N | exec CMD..." >&2

@@ -662,11 +662,19 @@ CODEC_ROWS = [
     ("hp", "full precision (fp32), per parameter"),
     ("hp:int8ag", "int8 all-gather"),
     ("hp:int8ag+int8rs", "int8 all-gather + int8 reduce-scatter"),
+    ("hp:int8ag+int8rs+ef", "int8 + int8, error feedback"),
     ("hp:fp8ag+fp8rs", "fp8 all-gather + fp8 reduce-scatter"),
     ("hp:fusion", "full precision, comm_fusion"),
     ("hp:fusion+int8ag+int8rs", "int8 + int8, comm_fusion"),
 ]
-CODECS = [("none", "fp32"), ("int8", "int8 + int8"), ("fp8", "fp8 + fp8")]
+NODE_ROWS = [
+    ("hp", "full precision, reshard_after_forward = true"),
+    ("hp:raf2", "full precision, secondary partition (reshard_after_forward = 2)"),
+    ("hp:int8ag+int8rs", "int8 + int8"),
+    ("hp:int8ag+int8rs+raf2", "int8 + int8, secondary partition"),
+]
+CODECS = [("none", "fp32"), ("int8", "int8 + int8"), ("int8-ef", "int8 + int8, error feedback"),
+          ("fp8", "fp8 + fp8")]
 
 
 def zero3_bytes(r):
@@ -676,13 +684,13 @@ def zero3_bytes(r):
     return 3 * r["params"] * 4 * (n - 1) / n
 
 
-def codec_table(rep, label, fsdp2=None):
+def codec_table(rep, label, fsdp2=None, rows=CODEC_ROWS):
     find = rep.find
     base = find(label, "C++", "hp")
     rep.p("| variant | KiB sent per step and rank | / fp32 ZeRO-3 | step ms (p25–p75) | / full precision |"
           + (" / FSDP2 |" if fsdp2 else ""))
     rep.p("|---|---:|---:|---:|---:|" + ("---:|" if fsdp2 else ""))
-    for variant, title in CODEC_ROWS:
+    for variant, title in rows:
         r = find(label, "C++", variant)
         if r is None:
             continue
@@ -783,6 +791,23 @@ def codecs_section(rep, args):
     else:
         p("The bandwidth-limited part did not run (BENCH_NETNS=0 or no network namespaces).")
         p()
+    nodes = "codecs/nodes/d128L8/1x4"
+    if any(r.get("label") == nodes for r in rep.results):
+        local = rep.find(nodes, "C++", "local")
+        p(
+            "**Two nodes, secondary partition.** 4 ranks (mesh 1x4) in 2 network namespaces of "
+            f"2 ranks each, every namespace's egress limited to {args.rate} and its 2 ranks "
+            "talking over its loopback, like two machines of two GPUs "
+            "(`NETNS_RANKS_PER_NODE=2 bench/netns.sh exec`). `reshard_after_forward = 2` keeps "
+            "half of each block's parameters after forward, the ranks of one node holding the "
+            "whole between them, so the backward all-gathers stay in the node and the link "
+            "carries two of ZeRO-3's three volumes (ZeRO++'s hpZ); with the codecs those two are "
+            "int8. The bytes column counts all that a rank sent, in the node too; 4 ranks "
+            "share 2 cores here, so compute alone takes "
+            f"{fmt(local['step_ms']) if ok(local) else '?'} ms a step."
+        )
+        p()
+        codec_table(rep, nodes, rows=NODE_ROWS)
     speedups = []
     for variant, full in (("hp:int8ag+int8rs", "hp"), ("hp:fusion+int8ag+int8rs", "hp:fusion")):
         lq, lf = rep.find(loopback, "C++", variant), rep.find(loopback, "C++", full)
@@ -835,7 +860,7 @@ def codecs_section(rep, args):
     p(
         "**Accuracy.** The demo's job (`make demo`'s corpus and defaults: 500 steps) on 4 "
         "ranks with a 1x4 mesh, so that every collective is quantized "
-        "(`train_decoder --mesh 1x4 [--ag-codec C --rs-codec C]`):"
+        "(`train_decoder --mesh 1x4 [--ag-codec C --rs-codec C [--error-feedback]]`):"
     )
     p()
     p("| collectives | final training loss | final validation loss | / full precision | run s |")
@@ -864,7 +889,7 @@ def codecs_section(rep, args):
         p("![training and validation loss with full-precision and quantized collectives](codecs_loss.svg)")
         p()
     if "none" in final:
-        for codec in ("int8", "fp8"):
+        for codec in ("int8", "int8-ef", "fp8"):
             if codec in final:
                 rel = final[codec] / final["none"] - 1
                 verdict = "met" if abs(rel) <= 0.01 else (

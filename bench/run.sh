@@ -261,8 +261,12 @@ section_pipeline() {
 # parameter and fused, bytes sent per step counted (hp::wire_bytes); on loopback, then on
 # the bandwidth-limited link next to FSDP2. Then their accuracy: the demo's job (make
 # demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
-# quantized, in full precision, int8 and fp8 (metrics under $OUT/codecs/<codec>/).
-CODEC_VARIANTS=local,hp,hp:int8ag,hp:int8ag+int8rs,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+int8ag+int8rs
+# quantized, in full precision, int8 (also with error feedback) and fp8 (metrics under
+# $OUT/codecs/<codec>/). And the secondary partition (reshard_after_forward = 2) on 4 ranks
+# in 2 "nodes" of 2 ranks, each node's egress limited: the backward all-gathers stay in the
+# node.
+CODEC_VARIANTS=local,hp,hp:int8ag,hp:int8ag+int8rs,hp:int8ag+int8rs+ef,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+int8ag+int8rs
+NODE_VARIANTS=local,hp,hp:raf2,hp:int8ag+int8rs,hp:int8ag+int8rs+raf2
 CODEC_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
 DEMO_DATA="--data README.md --data docs --data src --data include --data models --data examples --data tests"
 section_codecs() {
@@ -279,6 +283,12 @@ section_codecs() {
     # shellcheck disable=SC2086
     launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $CODEC_MODEL \
       --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2
+    export NETNS_RANKS_PER_NODE=2
+    # shellcheck disable=SC2086
+    launch "codecs/nodes/d128L8/1x4" 4 bench/netns.sh exec "$HP_BENCH" $CODEC_MODEL \
+      --mesh 1x4 --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count \
+      --variants "$NODE_VARIANTS"
+    unset NETNS_RANKS_PER_NODE
     HPRUN_OPTS=()
     bench/netns.sh down 2
     trap - EXIT
@@ -287,9 +297,12 @@ section_codecs() {
     echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
   fi
   local codec flags start rc
-  for codec in none int8 fp8; do
-    flags=()
-    [ "$codec" = none ] || flags=(--ag-codec "$codec" --rs-codec "$codec")
+  for codec in none int8 int8-ef fp8; do
+    case $codec in
+      none) flags=() ;;
+      int8-ef) flags=(--ag-codec int8 --rs-codec int8 --error-feedback) ;;
+      *) flags=(--ag-codec "$codec" --rs-codec "$codec") ;;
+    esac
     rm -rf "$OUT/codecs/$codec"
     mkdir -p "$OUT/codecs/$codec"
     start=$SECONDS
