@@ -17,6 +17,7 @@
 //                  all-reduce of the whole input), as FSDP2 on Gloo runs it.
 //   hp[:flags]     fully_shard on every block and the root; flags (joined by "+"):
 //                    fusion   options.comm_fusion = true
+//                    bucket   with fusion: options.comm_fusion_bucket_bytes = 128 KiB
 //                    nopf     root.set_implicit_prefetch(false)
 //                    keep     options.reshard_after_forward = false
 //                    int8ag, fp8ag   options.comm_policy.all_gather_codec
@@ -455,6 +456,7 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
     options.emplace();
     options->mesh = setting.mesh;
     options->comm_fusion = has("fusion");
+    if (has("bucket")) options->comm_fusion_bucket_bytes = 128 * 1024;
     if (has("keep")) options->reshard_after_forward = false;
     if (has("raf2")) options->reshard_after_forward = int64_t{2};
     options->comm_policy.error_feedback = has("ef");

@@ -31,6 +31,8 @@ ROWS = [
     ("C++", "hp:nopf", "hp per-param, no prefetch, RAF=true"),
     ("C++", "hp:keep", "hp per-param, prefetch, RAF=false"),
     ("C++", "hp:fusion+keep", "hp comm_fusion, prefetch, RAF=false"),
+    ("C++", "hp:fusion+bucket", "hp comm_fusion in 128 KiB buckets, prefetch, RAF=true"),
+    ("C++", "hp:fusion+keep+bucket", "hp comm_fusion in 128 KiB buckets, prefetch, RAF=false"),
     ("Python", "local", "compute only, no communication (Python)"),
     ("Python", "fsdp2", "FSDP2 defaults, RAF=false"),
     ("Python", "fsdp2:prefetch", "FSDP2 + async unshard + forward prefetch, RAF=false"),
@@ -59,7 +61,7 @@ def fmt(x, digits=1):
 
 
 # The hp_bench variants that reshard after forward (hp:keep and hp:fusion+keep keep).
-RAF_TRUE_VARIANTS = ("hp", "hp:fusion", "hp:nopf")
+RAF_TRUE_VARIANTS = ("hp", "hp:fusion", "hp:nopf", "hp:fusion+bucket")
 
 
 def ratio(a, b):

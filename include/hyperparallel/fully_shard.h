@@ -62,6 +62,11 @@ struct FullyShardOptions {
   // One all-gather / reduce-scatter per module (with copy-in / copy-out) instead of
   // one per parameter.
   bool comm_fusion = false;
+  // With comm_fusion: the fused buffer moves in collectives of whole consecutive
+  // parameters sending at most this many bytes (before quantization) to each peer, all
+  // issued at once (0: one collective per module). On a TCP link a message far larger
+  // than the link's burst runs below its rate; several smaller ones keep it full.
+  int64_t comm_fusion_bucket_bytes = 0;
 };
 
 // Where a sharded parameter lives: global shape, placement on the shard dimension.

@@ -40,6 +40,37 @@ void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
   }
 }
 
+// The collectives of a fused buffer in which parameter i starts at offsets[i] (the buffer
+// holds `total` elements of `element_size` bytes): consecutive parameters, each bucket
+// [begin, end) of elements at most `bucket_bytes` (0: no limit) unless one parameter
+// alone is larger.
+struct FusionBucket {
+  size_t first = 0, last = 0;  // parameters [first, last)
+  int64_t begin = 0, end = 0;  // elements
+};
+std::vector<FusionBucket> fusion_buckets(const std::vector<int64_t>& offsets, int64_t total,
+                                         int64_t element_size, int64_t bucket_bytes) {
+  const auto end_of = [&](size_t i) { return i + 1 < offsets.size() ? offsets[i + 1] : total; };
+  std::vector<FusionBucket> buckets;
+  size_t first = 0;
+  for (size_t i = 1; i <= offsets.size(); ++i) {
+    const bool full = i < offsets.size() && bucket_bytes > 0 &&
+                      (end_of(i) - offsets[first]) * element_size > bucket_bytes;
+    if (i == offsets.size() || full) {
+      buckets.push_back({first, i, offsets[first], end_of(i - 1)});
+      first = i;
+    }
+  }
+  return buckets;
+}
+
+// A bucket's rank-major [shards x bucket elements] part of a fused buffer laid out bucket
+// after bucket.
+at::Tensor bucket_rows(const at::Tensor& flat, const FusionBucket& bucket, int64_t shards) {
+  const int64_t length = bucket.end - bucket.begin;
+  return flat.narrow(0, shards * bucket.begin, shards * length).view({shards, length});
+}
+
 // Issues the collectives `issue` makes over `group` as one coalesced group where the
 // backend has them (NCCL: one group call, so that many small collectives cost one
 // launch); Gloo has none and runs them one by one, and a one-rank group may have no backend.
@@ -87,15 +118,16 @@ CommHandle scatter(const at::Tensor& output, const at::Tensor& input, const Grou
 
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
-                                  bool comm_fusion, const CommPolicy& policy) {
+                                  const CommFusion& fusion, const CommPolicy& policy) {
   c10::NoGradGuard no_grad;
   AllGatherResult result;
   for (const CommBuffer& input : inputs) {
     if (input.owned) result.temporaries.push_back(input.tensor);
   }
   const int64_t shards = group.size();
-  if (!comm_fusion) {
-    result.handle = coalesced(group, inputs.front().tensor.device().type(), [&] {
+  const c10::DeviceType device = inputs.front().tensor.device().type();
+  if (!fusion.enabled) {
+    result.handle = coalesced(group, device, [&] {
       std::vector<CommHandle> gathers;
       try {
         for (size_t i = 0; i < params.size(); ++i) {
@@ -121,13 +153,32 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   for (size_t i = 0; i < inputs.size(); ++i) {
     input.narrow(0, offsets[i], inputs[i].tensor.numel()).copy_(inputs[i].tensor);
   }
-  at::Tensor output = at::empty({shards, total}, input.options());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    result.outputs.push_back(output.narrow(1, offsets[i], inputs[i].tensor.numel()));
+  // Bucket after bucket, each rank-major: every bucket's all-gather lands in place.
+  at::Tensor output = at::empty({shards * total}, input.options());
+  const std::vector<FusionBucket> buckets =
+      fusion_buckets(offsets, total, input.element_size(), fusion.bucket_bytes);
+  for (const FusionBucket& bucket : buckets) {
+    const at::Tensor rows = bucket_rows(output, bucket, shards);
+    for (size_t i = bucket.first; i < bucket.last; ++i) {
+      result.outputs.push_back(rows.narrow(1, offsets[i] - bucket.begin, inputs[i].tensor.numel()));
+    }
   }
   result.temporaries.push_back(input);
   result.temporaries.push_back(output);
-  result.handle = gather(output.view(-1), input, group, policy);
+  result.handle = coalesced(group, device, [&] {
+    std::vector<CommHandle> gathers;
+    try {
+      for (const FusionBucket& bucket : buckets) {
+        gathers.push_back(gather(bucket_rows(output, bucket, shards).view(-1),
+                                 input.narrow(0, bucket.begin, bucket.end - bucket.begin), group,
+                                 policy));
+      }
+    } catch (...) {
+      wait_issued(gathers);
+      throw;
+    }
+    return gathers;
+  });
   return result;
 }
 
@@ -151,7 +202,7 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype) {
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         double divide_before, bool comm_fusion,
+                                         double divide_before, const CommFusion& fusion,
                                          const CommPolicy& policy, const ResidualOf& residual_of,
                                          bool keep_grads, ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
@@ -165,15 +216,26 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   result.buffer = at::empty({total}, options);
   const int64_t shards = group.size();
-  if (comm_fusion && group.communicates()) {
-    // One reduce-scatter: rank-major input laid out like the buffer, so its output
-    // lands in the buffer as is.
-    at::Tensor input = at::empty({shards, total}, options);
-    zero_between_slots(input, result.offsets, params);
+  if (fusion.enabled && group.communicates()) {
+    // Rank-major per bucket and laid out like the buffer, so that each bucket's
+    // reduce-scatter lands in its part of the buffer as is.
+    const std::vector<FusionBucket> buckets =
+        fusion_buckets(result.offsets, total, c10::elementSize(reduce_dtype), fusion.bucket_bytes);
+    at::Tensor input = at::empty({shards * total}, options);
+    std::vector<at::Tensor> columns;  // per parameter, its [shards x padded_numel] part
+    for (const FusionBucket& bucket : buckets) {
+      const at::Tensor rows = bucket_rows(input, bucket, shards);
+      std::vector<int64_t> offsets;
+      for (size_t i = bucket.first; i < bucket.last; ++i) {
+        offsets.push_back(result.offsets[i] - bucket.begin);
+        columns.push_back(rows.narrow(1, offsets.back(), params[i]->layout().padded_numel));
+      }
+      zero_between_slots(rows, offsets,
+                         {params.begin() + bucket.first, params.begin() + bucket.last});
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       std::vector<CommBuffer> part = {params[i]->reduce_scatter_input(grads[i], reduce_dtype)};
-      const int64_t n = params[i]->layout().padded_numel;
-      input.narrow(1, result.offsets[i], n).copy_(part.front().tensor.view({shards, n}));
+      columns[i].copy_(part.front().tensor.view(columns[i].sizes()));
       // Copied: released now rather than after the collective, so that the fused
       // input does not double the gradient memory of a reduction in flight.
       release_copied_input(part.front(), stats);
@@ -181,24 +243,54 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
       grads[i] = at::Tensor();
     }
     if (divide_before != 1.0) input.div_(divide_before);
-    result.inputs.push_back({input.view(-1), /*owned=*/true});
-    if (!policy.error_feedback) {
-      result.handle = scatter(result.buffer, input.view(-1), group, policy, at::Tensor());
-      return result;
-    }
-    // Each parameter keeps its own residual, so that it does not depend on which
-    // parameters a reduction fuses (and checkpoints hold it per parameter).
-    at::Tensor residual = at::zeros({shards, total}, options.dtype(at::kFloat));
+    result.inputs.push_back({input, /*owned=*/true});
+    // Each parameter keeps its own error-feedback residual, so that it does not depend on
+    // which parameters a reduction fuses (and checkpoints hold it per parameter).
+    at::Tensor residual;
     std::vector<at::Tensor> residuals;
-    for (size_t i = 0; i < params.size(); ++i) {
-      residuals.push_back(residual_of(*params[i], input.device()));
-      residual.narrow(1, result.offsets[i], params[i]->layout().padded_numel)
-          .copy_(residuals.back());
+    if (policy.error_feedback) {
+      residual = at::zeros({shards * total}, options.dtype(at::kFloat));
+      for (size_t i = 0; i < params.size(); ++i) {
+        residuals.push_back(residual_of(*params[i], input.device()));
+      }
     }
-    result.handle = scatter(result.buffer, input.view(-1), group, policy, residual.view(-1));
-    for (size_t i = 0; i < params.size(); ++i) {
-      residuals[i].copy_(residual.narrow(1, result.offsets[i], params[i]->layout().padded_numel));
-    }
+    const auto residual_columns = [&](const FusionBucket& bucket) {
+      std::vector<at::Tensor> parts;
+      const at::Tensor rows = bucket_rows(residual, bucket, shards);
+      for (size_t i = bucket.first; i < bucket.last; ++i) {
+        parts.push_back(
+            rows.narrow(1, result.offsets[i] - bucket.begin, params[i]->layout().padded_numel));
+      }
+      return parts;
+    };
+    result.handle = coalesced(group, options.device().type(), [&] {
+      std::vector<CommHandle> reduce_scatters;
+      try {
+        for (const FusionBucket& bucket : buckets) {
+          at::Tensor bucket_residual;
+          if (residual.defined()) {
+            const std::vector<at::Tensor> parts = residual_columns(bucket);
+            for (size_t i = bucket.first; i < bucket.last; ++i) {
+              parts[i - bucket.first].copy_(residuals[i]);
+            }
+            bucket_residual = bucket_rows(residual, bucket, shards).view(-1);
+          }
+          reduce_scatters.push_back(
+              scatter(result.buffer.narrow(0, bucket.begin, bucket.end - bucket.begin),
+                      bucket_rows(input, bucket, shards).view(-1), group, policy, bucket_residual));
+          if (residual.defined()) {  // the quantizing call left what its codes did not carry
+            const std::vector<at::Tensor> parts = residual_columns(bucket);
+            for (size_t i = bucket.first; i < bucket.last; ++i) {
+              residuals[i].copy_(parts[i - bucket.first]);
+            }
+          }
+        }
+      } catch (...) {
+        wait_issued(reduce_scatters);
+        throw;
+      }
+      return reduce_scatters;
+    });
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);

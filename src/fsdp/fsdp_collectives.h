@@ -25,6 +25,14 @@ struct ReduceBufferStats {
   int64_t kept_aliased = 0;  // views of the caller's gradient, left alone
 };
 
+// comm_fusion: a module's parameters in one buffer, moved by collectives that each send
+// at most `bucket_bytes` to every peer (whole parameters, at least one each; 0: one
+// collective for the module). Disabled: one collective per parameter.
+struct CommFusion {
+  bool enabled = false;
+  int64_t bucket_bytes = 0;
+};
+
 struct AllGatherResult {
   CommHandle handle;
   // Per parameter, its rank-major [shards x padded_numel] gathered data: the parameter's
@@ -40,12 +48,13 @@ struct AllGatherResult {
 // after forward) over `group`. Per-parameter mode issues one all-gather per parameter
 // (one coalesced group where the backend has them: NCCL; Gloo runs them one by one),
 // straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
-// copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather.
+// copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather per
+// bucket (each landing in place in the one output buffer).
 // With policy.all_gather_codec each all-gather moves quantized blocks instead (a shard,
 // or the fused buffer, quantized as one row).
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
-                                  bool comm_fusion, const CommPolicy& policy);
+                                  const CommFusion& fusion, const CommPolicy& policy);
 
 // After result.handle completed: every parameter's unsharded tensor holds its whole
 // value (copy-out where the all-gather did not land in place, on the compute stream);
@@ -78,8 +87,9 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // Reduce-scatters grads[i] (parameter i's unsharded gradient) in `reduce_dtype` over
 // `group`, summing, after dividing each input by `divide_before`. Per-parameter mode
 // reduce-scatters each gradient into its slot (one coalesced group, as the all-gathers);
-// comm_fusion lays all of them out rank-major in one input (releasing each gradient's
-// own input as soon as it is copied) and issues one reduce-scatter into the buffer.
+// comm_fusion lays all of them out in one input, rank-major per bucket (releasing each
+// gradient's own input as soon as it is copied), and issues one reduce-scatter per
+// bucket into its part of the buffer.
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
 // other than the one that made them reads them (CommStreams). With
 // policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead, and
@@ -91,7 +101,7 @@ using ResidualOf = std::function<at::Tensor(const FSDPParam& param, c10::Device 
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
-                                         double divide_before, bool comm_fusion,
+                                         double divide_before, const CommFusion& fusion,
                                          const CommPolicy& policy, const ResidualOf& residual_of,
                                          bool keep_grads, ReduceBufferStats& stats);
 

@@ -25,14 +25,14 @@ CommHandle divided_when_done(CommHandle handle, at::Tensor result, double factor
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
                                std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
-                               bool comm_fusion, CommPolicy comm_policy)
+                               CommFusion comm_fusion, CommPolicy comm_policy)
     : params_(std::move(params)),
       replicated_(std::move(replicated)),
       mesh_info_(std::move(mesh_info)),
       comm_fusion_(comm_fusion),
       comm_policy_(comm_policy),
       streams_(std::make_shared<CommStreams>(mesh_info_.world->device())) {
-  if (comm_fusion_) {
+  if (comm_fusion_.enabled) {
     for (const auto& p : params_) {
       if (p->param_dtype() != params_.front()->param_dtype()) {
         C10_THROW_ERROR(
@@ -147,7 +147,8 @@ CommHandle FSDPParamGroup::issue_all_gather() {
     for (FSDPParam* p : params) inputs.push_back(p->all_gather_input());
   }
   auto result = std::make_shared<AllGatherResult>(all_gather_params(
-      params, inputs, *group, comm_fusion_ && group == mesh_info_.shard.get(), comm_policy_));
+      params, inputs, *group, group == mesh_info_.shard.get() ? comm_fusion_ : CommFusion{},
+      comm_policy_));
   trace::record_bytes("all_gather", label_, wire_bytes().total() - sent_before);
   result->handle = streams_->complete_on_lane(Lane::kAllGather, std::move(result->handle));
   return CommHandle::after({result->handle}, [this, params, result] {

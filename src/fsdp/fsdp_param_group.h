@@ -52,8 +52,8 @@ struct ReduceSettings {
 class FSDPParamGroup {
  public:
   FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
-                 std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info, bool comm_fusion,
-                 CommPolicy comm_policy);
+                 std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
+                 CommFusion comm_fusion, CommPolicy comm_policy);
 
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   std::vector<ReplicatedParam>& replicated() { return replicated_; }
@@ -147,7 +147,7 @@ class FSDPParamGroup {
   std::vector<std::unique_ptr<FSDPParam>> params_;
   std::vector<ReplicatedParam> replicated_;
   FSDPMeshInfo mesh_info_;
-  bool comm_fusion_;
+  CommFusion comm_fusion_;
   CommPolicy comm_policy_;
   std::map<const FSDPParam*, at::Tensor> residuals_;  // error feedback, made when first used
   std::string label_ = "module";

@@ -20,6 +20,12 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
                     "comm_policy.error_feedback keeps the quantized reduce-scatter's residual, "
                     "and comm_policy.reduce_scatter_codec is none: set a codec or turn error "
                     "feedback off");
+  TORCH_CHECK_VALUE(options.comm_fusion_bucket_bytes >= 0,
+                    "comm_fusion_bucket_bytes must be >= 0 (0: one collective per module), got ",
+                    options.comm_fusion_bucket_bytes);
+  TORCH_CHECK_VALUE(options.comm_fusion || options.comm_fusion_bucket_bytes == 0,
+                    "comm_fusion_bucket_bytes sizes the collectives of comm_fusion, which is "
+                    "off: set comm_fusion = true or leave comm_fusion_bucket_bytes at 0");
   std::vector<detail::ModulePtr> module_ptrs;
   std::vector<std::weak_ptr<torch::nn::Module>> roots;
   for (const auto& m : modules) {
@@ -36,7 +42,8 @@ std::vector<FSDPModule> fully_shard(const std::vector<ShardableModule>& modules,
   detail::move_states_to_mesh_device(module_ptrs, managed.replicated, mesh_info.world->device());
 
   auto param_group = std::make_unique<detail::FSDPParamGroup>(
-      std::move(managed.sharded), std::move(managed.replicated), mesh_info, options.comm_fusion,
+      std::move(managed.sharded), std::move(managed.replicated), mesh_info,
+      detail::CommFusion{options.comm_fusion, options.comm_fusion_bucket_bytes},
       options.comm_policy);
   param_group->set_post_forward_group(post_forward_group);
   auto state = std::make_shared<detail::FSDPState>(

@@ -177,7 +177,7 @@ HP_DIST_TEST(ReduceScatterInputs, ReduceFreesOnlyBuffersItAllocated, 2) {
         world->new_group("self" + c10::str(c.shape, c.reduce_dtype) + std::to_string(world->rank()),
                          {world->rank()}),
         world->world_group()};
-    detail::FSDPParamGroup group(std::move(params), {}, mesh_info, /*comm_fusion=*/false,
+    detail::FSDPParamGroup group(std::move(params), {}, mesh_info, detail::CommFusion{},
                                  CommPolicy{});
     group.unshard(/*async=*/false);
 

@@ -1,7 +1,7 @@
 // fully_shard against an independent single-process run of the same model on the
 // global batch: fp32, two AdamW steps, loss, global grad norm, every gradient and every
 // parameter within 1e-5. 1-D FSDP on 2 ranks and 2x2 HSDP on 4 ranks; uneven shapes on
-// 2, 3 and 4 ranks.
+// 2, 3 and 4 ranks; comm_fusion whole and in buckets.
 #include <torch/torch.h>
 
 #include "distributed_test.h"
@@ -18,6 +18,7 @@ constexpr double kTol = 1e-5;
 struct Setup {
   std::optional<DeviceMesh> mesh;
   bool comm_fusion = false;
+  int64_t comm_fusion_bucket_bytes = 0;
 };
 
 void run_parity(const Setup& setup) {
@@ -25,6 +26,7 @@ void run_parity(const Setup& setup) {
   FullyShardOptions options;
   options.mesh = setup.mesh;
   options.comm_fusion = setup.comm_fusion;
+  options.comm_fusion_bucket_bytes = setup.comm_fusion_bucket_bytes;
   testing::ShardedParts parts =
       testing::shard_blocks_then_root(model->blocks, model, "blocks.", options);
 
@@ -45,6 +47,14 @@ HP_DIST_TEST(FullyShardParity, Hsdp2x2, 4) {
 
 HP_DIST_TEST(FullyShardParity, Hsdp2x2CommFusion, 4) {
   run_parity({DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}}), true});
+}
+
+// Buckets of 96 bytes per peer: a parameter alone or with its neighbours, some larger
+// than a bucket by themselves.
+HP_DIST_TEST(FullyShardParity, CommFusionInBuckets, 2, 3) { run_parity({std::nullopt, true, 96}); }
+
+HP_DIST_TEST(FullyShardParity, Hsdp2x2CommFusionInBuckets, 4) {
+  run_parity({DeviceMesh(testing::world(), {{"dp_replicate", 2}, {"dp_shard", 2}}), true, 96});
 }
 
 }  // namespace

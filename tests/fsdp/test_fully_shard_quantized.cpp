@@ -53,7 +53,7 @@ struct QuantizedMlp {
   // matrices sharded on dim 1. offload: shards on the host.
   explicit QuantizedMlp(const CommPolicy& policy, bool comm_fusion = false, bool bf16 = false,
                         bool shard_dim1 = false, bool offload = false,
-                        std::optional<DeviceMesh> mesh = std::nullopt) {
+                        std::optional<DeviceMesh> mesh = std::nullopt, int64_t bucket_bytes = 0) {
     torch::manual_seed(42);
     reference = Mlp(5, 8, 9, 3, 2);
     torch::manual_seed(42);
@@ -61,6 +61,7 @@ struct QuantizedMlp {
     FullyShardOptions options;
     options.comm_policy = policy;
     options.comm_fusion = comm_fusion;
+    options.comm_fusion_bucket_bytes = bucket_bytes;
     if (bf16) {
       options.mp_policy.param_dtype = at::kBFloat16;
       options.mp_policy.reduce_dtype = at::kFloat;
@@ -150,6 +151,25 @@ HP_DIST_TEST(FullyShardQuantized, GradientsAreTheQuantizedPerRankGradientsSummed
 // 30 AdamW steps with int8 weights and gradients, per parameter, fused, with bf16
 // parameters, matrices sharded on dim 1, shards offloaded and with error feedback: close to the
 // full-precision reference, not equal to it, and the same bit for bit when run again.
+// Steps [first, first + count) of AdamW on this rank's part of batch(step); this rank's
+// losses.
+std::vector<double> train_steps(QuantizedMlp& f, torch::optim::Optimizer& opt, int first,
+                                int count) {
+  const int64_t ranks = testing::world()->size();
+  const int64_t rank = testing::world()->rank();
+  std::vector<double> losses;
+  for (int step = first; step < first + count; ++step) {
+    const auto [x, y] = QuantizedMlp::batch(step);
+    opt.zero_grad();
+    const at::Tensor loss = torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
+                                            testing::local_batch(y, rank, ranks));
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
 HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2) {
   const int64_t ranks = testing::world()->size();
   const int64_t rank = testing::world()->rank();
@@ -160,11 +180,13 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
     const char* name;
     bool comm_fusion = false, bf16 = false, shard_dim1 = false, offload = false,
          error_feedback = false;
+    int64_t bucket_bytes = 0;
   };
   const auto train = [&](const Case& c, std::vector<double>* reference_losses) {
     CommPolicy policy = int8;
     policy.error_feedback = c.error_feedback;
-    QuantizedMlp f(policy, c.comm_fusion, c.bf16, c.shard_dim1, c.offload);
+    QuantizedMlp f(policy, c.comm_fusion, c.bf16, c.shard_dim1, c.offload, std::nullopt,
+                   c.bucket_bytes);
     torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
     torch::optim::AdamW ref_opt(f.reference->parameters(), torch::optim::AdamWOptions(1e-2));
     std::vector<double> losses;
@@ -191,7 +213,8 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
        {Case{"per parameter"}, Case{"comm_fusion", true}, Case{"bf16 parameters", false, true},
         Case{"Shard(1)", false, false, true}, Case{"offload", false, false, false, true},
         Case{"error feedback", false, false, false, false, true},
-        Case{"error feedback, comm_fusion", true, false, false, false, true}}) {
+        Case{"error feedback, comm_fusion", true, false, false, false, true},
+        Case{"error feedback, comm_fusion in buckets", true, false, false, false, true, 64}}) {
     SCOPED_TRACE(c.name);
     std::vector<double> reference;
     const std::vector<double> losses = train(c, &reference);
@@ -200,6 +223,28 @@ HP_DIST_TEST(FullyShardQuantized, TrainsCloseToFullPrecisionAndRerunsBitwise, 2)
     EXPECT_LT(reference.back(), 0.7 * reference.front()) << "the reference did not learn";
     for (size_t i = 0; i < losses.size(); ++i) {
       EXPECT_NEAR(losses[i], reference[i], 0.03 * reference[i]) << "step " << i;
+    }
+  }
+}
+
+// comm_fusion in buckets moves the same values in more collectives: in full precision
+// training is bitwise that of one collective per module, and of one per parameter.
+HP_DIST_TEST(FullyShardQuantized, CommFusionBucketsChangeNoBitInFullPrecision, 2, 3) {
+  const auto train = [&](bool comm_fusion, int64_t bucket_bytes) {
+    QuantizedMlp f({}, comm_fusion, false, false, false, std::nullopt, bucket_bytes);
+    torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+    const std::vector<double> losses = train_steps(f, opt, 0, 4);
+    return std::make_pair(losses, testing::full_params(f.parts));
+  };
+  const auto [losses, params] = train(true, 0);
+  for (const auto& [fusion, bucket_bytes] :
+       {std::pair{true, int64_t{64}}, std::pair{true, int64_t{1}}, std::pair{false, int64_t{0}}}) {
+    SCOPED_TRACE("comm_fusion " + std::to_string(fusion) + ", buckets of " +
+                 std::to_string(bucket_bytes) + " bytes");
+    const auto [other_losses, other_params] = train(fusion, bucket_bytes);
+    EXPECT_EQ(other_losses, losses);
+    for (const auto& [name, value] : params) {
+      EXPECT_TRUE(torch::equal(other_params.at(name), value)) << name;
     }
   }
 }
@@ -218,25 +263,11 @@ struct CollectedWarnings : c10::WarningHandler {
 HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackResumesFromACheckpointBitwise, 2, 4) {
   auto world = testing::world();
   const int64_t ranks = world->size();
-  const int64_t rank = world->rank();
   const std::string dir = testing::shared_dir("hp_error_feedback_resume");
   const CommPolicy policy = {.all_gather_codec = CommCodec::kInt8,
                              .reduce_scatter_codec = CommCodec::kInt8,
                              .block_size = kBlock,
                              .error_feedback = true};
-  const auto steps = [&](QuantizedMlp& f, torch::optim::AdamW& opt, int first, int count) {
-    std::vector<double> losses;
-    for (int step = first; step < first + count; ++step) {
-      const auto [x, y] = QuantizedMlp::batch(step);
-      opt.zero_grad();
-      const at::Tensor loss = torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
-                                              testing::local_batch(y, rank, ranks));
-      loss.backward();
-      opt.step();
-      losses.push_back(loss.item<double>());
-    }
-    return losses;
-  };
   const std::optional<DeviceMesh> saved_mesh =
       ranks == 4 ? std::optional(DeviceMesh(world, {{"dp_replicate", 2}, {"dp_shard", 2}}))
                  : std::nullopt;
@@ -245,9 +276,9 @@ HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackResumesFromACheckpointBitwise, 2,
     const std::string checkpoint = checkpoint_dir_for_step(dir, comm_fusion ? 2 : 1);
     QuantizedMlp straight(policy, comm_fusion, false, false, false, saved_mesh);
     torch::optim::AdamW opt(straight.model->parameters(), torch::optim::AdamWOptions(1e-2));
-    steps(straight, opt, 0, 3);
+    train_steps(straight, opt, 0, 3);
     save_sharded_checkpoint(checkpoint, *straight.model, &opt);
-    const std::vector<double> expected = steps(straight, opt, 3, 3);
+    const std::vector<double> expected = train_steps(straight, opt, 3, 3);
 
     // same_mesh: the residuals load; keep: they stay (else they are reset to zeros).
     const auto resumed = [&](const std::optional<DeviceMesh>& mesh, bool same_mesh, bool keep) {
@@ -259,7 +290,7 @@ HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackResumesFromACheckpointBitwise, 2,
         EXPECT_EQ(sharded->error_feedback_residual().defined(), same_mesh);
         if (!keep) sharded->set_error_feedback_residual(at::Tensor());
       }
-      return steps(f, resumed_opt, 3, 3);
+      return train_steps(f, resumed_opt, 3, 3);
     };
     EXPECT_EQ(resumed(saved_mesh, true, true), expected);
     EXPECT_NE(resumed(saved_mesh, true, false), expected) << "the residuals made no difference";
@@ -315,6 +346,18 @@ HP_DIST_TEST(FullyShardQuantized, ABadPolicyIsNamed, 1) {
   options.comm_policy.block_size = 0;
   EXPECT_NE(error_of([&] { fully_shard(model, options); }).find("comm_policy.block_size"),
             std::string::npos);
+  options.comm_policy = {};
+  options.comm_fusion_bucket_bytes = 1024;
+  EXPECT_NE(error_of([&] {
+              fully_shard(model, options);
+            }).find("comm_fusion_bucket_bytes sizes the collectives of comm_fusion, which is off"),
+            std::string::npos);
+  options.comm_fusion = true;
+  options.comm_fusion_bucket_bytes = -1;
+  EXPECT_NE(
+      error_of([&] { fully_shard(model, options); }).find("comm_fusion_bucket_bytes must be >= 0"),
+      std::string::npos);
+  options.comm_fusion_bucket_bytes = 0;
   options.comm_policy = {.error_feedback = true};
   EXPECT_NE(error_of([&] {
               fully_shard(model, options);
