@@ -174,17 +174,23 @@ std::shared_ptr<World> World::create(const LaunchEnv& env, WorldOptions options)
       "world", all, "start-up join of " + std::to_string(env.world_size) + " ranks", deadline.at);
   // The world group's backends are made for the device every rank agreed on.
   world->agree_on_device(options.require_gpu.value_or(env_flag("HP_REQUIRE_GPU")));
-  world->world_group_ = world->add_group("world", std::move(all), me);
+  world->world_group_ = world->add_group("world", all, me);
+  detail::leave_after_all(connection.store, "hp/world", "start-up join", all, env.rank,
+                          detail::Deadline::after(timeout));
   return world;
 }
 
 void World::agree_on_device(bool require_gpu) {
-  std::vector<detail::SeenDevice> seen;
-  for (int64_t r = 0; r < size_; ++r) {
-    const std::vector<uint8_t> theirs = store_->get(device_key(r));
-    seen.push_back(detail::decode(std::string(theirs.begin(), theirs.end())));
-  }
-  if (const auto why = detail::why_not_all_on_gpus(seen)) {
+  // Every rank stored its own before the join, so these reads only wait on the store host.
+  auto seen = std::make_shared<std::vector<detail::SeenDevice>>();
+  detail::bounded_by_store(
+      "start-up join", detail::Deadline::after(timeout_), [seen, store = store_, size = size_] {
+        for (int64_t r = 0; r < size; ++r) {
+          const std::vector<uint8_t> theirs = store->get(device_key(r));
+          seen->push_back(detail::decode(std::string(theirs.begin(), theirs.end())));
+        }
+      });
+  if (const auto why = detail::why_not_all_on_gpus(*seen)) {
     if (require_gpu) {
       C10_THROW_ERROR(ValueError,
                       "a GPU was required (WorldOptions::require_gpu or "
@@ -249,33 +255,45 @@ int World::join(const std::string& name, std::vector<int64_t>& ranks, const std:
 
 GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, int rank_in_group) {
   const int group_size = static_cast<int>(ranks.size());
-  c10::intrusive_ptr<c10d::Backend> cpu, cuda;
+  struct Backends {
+    c10::intrusive_ptr<c10d::Backend> cpu, cuda;
+  };
+  auto made = std::make_shared<Backends>();
   if (group_size > 1 || one_rank_groups_communicate_) {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("hp/" + name, store_);
-    if (!device_.is_cuda() || gloo_on_gpu_) {
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout_);
-      gloo_options->devices.push_back(gloo_device(local_address_));
-      cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
-          gloo_options);
-    }
+    const bool with_gloo = !device_.is_cuda() || gloo_on_gpu_;
+    // The backends connect through the store, with no bound of their own on a stopped host.
+    detail::bounded_by_store(
+        "creating group '" + name + "'", detail::Deadline::after(timeout_),
+        [made, prefixed, rank_in_group, group_size, with_gloo, device = device_,
+         address = local_address_, timeout = timeout_] {
+          if (with_gloo) {
+            auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+            gloo_options->devices.push_back(gloo_device(address));
+            made->cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(
+                c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank_in_group, group_size,
+                gloo_options);
+          }
 #ifdef HP_WITH_NCCL
-    if (device_.is_cuda()) {
-      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = timeout_;
-      cuda = c10::make_intrusive<c10d::ProcessGroupNCCL>(
-          c10::make_intrusive<c10d::PrefixStore>("nccl", prefixed), rank_in_group, group_size,
-          nccl_options);
-      cuda->setBoundDeviceId(device_);  // the communicator's device, known up front
-      // The communicator now, while every member is creating the group: not in the first
-      // step's backward, where its set-up would stall the first reduction.
-      cuda->eagerConnectSingleDevice(device_);
-    }
+          if (device.is_cuda()) {
+            c10::cuda::set_device(device.index());  // this thread's own current device
+            auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+            nccl_options->timeout = timeout;
+            made->cuda = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+                c10::make_intrusive<c10d::PrefixStore>("nccl", prefixed), rank_in_group, group_size,
+                nccl_options);
+            made->cuda->setBoundDeviceId(device);  // the communicator's device, known up front
+            // The communicator now, while every member is creating the group: not in the
+            // first step's backward, where its set-up would stall the first reduction.
+            made->cuda->eagerConnectSingleDevice(device);
+          }
 #endif
+        });
   }
   // Not make_shared: the constructor is World's alone.
-  return groups_[name] = GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
-                                            std::move(cpu), std::move(cuda), store_, timeout_));
+  return groups_[name] =
+             GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
+                                std::move(made->cpu), std::move(made->cuda), store_, timeout_));
 }
 
 std::shared_ptr<World> default_world() {

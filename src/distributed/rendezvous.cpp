@@ -479,6 +479,57 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
           kRaiseTimeout);
 }
 
+void bounded_by_store(const std::string& operation, const Deadline& deadline,
+                      std::function<void()> work) {
+  finish_by<bool>(
+      deadline.at + kGrace,
+      [work = std::move(work)] {
+        work();
+        return true;
+      },
+      [&] {
+        return operation + ": the store did not answer within " +
+               seconds_text(deadline.timeout + kGrace) + ": " + kStoreHost +
+               " is stopped, or this machine is cut off from it";
+      });
+}
+
+void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
+                     const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
+                     const Deadline& deadline) {
+  const std::string done_prefix = key_prefix + "/done/";
+  if (rank != *std::min_element(ranks.begin(), ranks.end())) {
+    bounded_by_store(operation, deadline, [store, key = done_prefix + std::to_string(rank)] {
+      store->set(key, std::vector<uint8_t>{1});
+    });
+    return;
+  }
+  std::vector<int64_t> others;
+  std::vector<std::string> keys;
+  for (int64_t r : ranks) {
+    if (r == rank) continue;
+    others.push_back(r);
+    keys.push_back(done_prefix + std::to_string(r));
+  }
+  auto missing = std::make_shared<std::vector<int64_t>>();
+  bounded_by_store(operation, deadline, [=] {
+    for (milliseconds pause(1);; pause = std::min(2 * pause, milliseconds(50))) {
+      if (store->check(keys)) return;
+      if (Clock::now() >= deadline.at) break;
+      std::this_thread::sleep_for(pause);
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!store->check({keys[i]})) missing->push_back(others[i]);
+    }
+  });
+  if (!missing->empty()) {
+    C10_THROW_ERROR(DistNetworkError,
+                    operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
+                        ranks_text(*missing) + " did not finish it (crashed, or stopped); " +
+                        kRaiseTimeout);
+  }
+}
+
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
                                       const std::string& key_prefix,
                                       const std::vector<int64_t>& ranks, int64_t rank,

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,23 @@ StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline);
 void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
                  const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
                  const Deadline& deadline);
+
+// Runs `work`, a start-up step whose store requests have no bound of their own once the
+// store host stops (a TCPStore client whose wait timed out then waits forever for the
+// host to cancel it; Gloo and NCCL connect through such waits), on a thread of its own.
+// Past `deadline` and 2 s of grace it throws c10::DistNetworkError naming `operation` and
+// the stopped store host, leaving the thread behind: `work` must capture by value.
+void bounded_by_store(const std::string& operation, const Deadline& deadline,
+                      std::function<void()> work);
+
+// Every rank of `ranks` marks itself done under `key_prefix`; the lowest rank returns
+// only once all have (by `deadline`, else c10::DistNetworkError naming the others). Once
+// the store host (rank 0 when no launcher hosts it) has returned, no rank needs the store
+// for the step any more, so a host that stops right after is named by the first
+// collective that fails, not inside the step.
+void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key_prefix,
+                     const std::string& operation, const std::vector<int64_t>& ranks, int64_t rank,
+                     const Deadline& deadline);
 
 // The error of a failed collective `what` (e.g. "all_reduce #12 over group 'world'") on
 // `rank`, one of `ranks` (global ranks): reports the failure in the store under
