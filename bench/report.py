@@ -735,7 +735,7 @@ def loss_curves_svg(runs, path):
     hi = max(l for _, l in points)
     x = lambda step: left + (width - left - right) * step / max_step  # noqa: E731
     y = lambda loss: top + (height - top - bottom) * (hi - loss) / (hi - lo)  # noqa: E731
-    colors = ["#1f77b4", "#d62728", "#2ca02c"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            'font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
@@ -856,49 +856,85 @@ def codecs_section(rep, args):
             rep.target((f"quantized: bandwidth-limited int8 step <= 0.3x FSDP2, {name}", fmt(q, 2),
                         "met" if q <= 0.3 else f"missed by {fmt(q - 0.3, 2)}"))
 
-    accuracy = {r["variant"]: r for r in runs if r.get("label") == "codecs/accuracy"}
-    if not accuracy:
+    accuracy_section(rep, args, [r for r in runs if r.get("label") == "codecs/accuracy"])
+
+
+def accuracy_section(rep, args, runs):
+    """Final validation loss of each codec and seed, its mean over the seeds against full
+    precision's, and the first seed's curves."""
+    if not runs:
         return
+    p = rep.p
+    seeds = sorted({r.get("seed", 0) for r in runs})
+    final, curves, seconds = {}, {}, {}  # final[codec][seed], curves[codec]: first seed's
+    failures = []
+    for r in runs:
+        codec, seed = r["variant"], r.get("seed", 0)
+        records = read_metrics(r["metrics"])
+        validation = [m["validation_loss"] for m in records if "validation_loss" in m]
+        if r.get("error") or not validation:
+            failures.append(f"{codec} seed {seed}: {r.get('error') or 'no metrics in ' + r['metrics']}")
+            continue
+        final.setdefault(codec, {})[seed] = validation[-1]
+        seconds.setdefault(codec, []).append(r.get("seconds", 0))
+        if seed == seeds[0]:
+            curves[codec] = records
     p(
         "**Accuracy.** The demo's job (`make demo`'s corpus and defaults: 500 steps) on 4 "
         "ranks with a 1x4 mesh, so that every collective is quantized "
-        "(`train_decoder --mesh 1x4 [--ag-codec C --rs-codec C [--error-feedback]]`):"
+        "(`train_decoder --mesh 1x4 --seed S [--ag-codec C --rs-codec C [--error-feedback]]`), "
+        f"once per seed ({', '.join(str(s) for s in seeds)}; `BENCH_ACCURACY_SEEDS`). The seed "
+        "draws the initial weights and the order of the batches; validation uses the same "
+        "batches in every run. Each cell is the final validation loss and, in parentheses, "
+        "its difference to the full-precision run of the same seed:"
     )
     p()
-    p("| collectives | final training loss | final validation loss | / full precision | run s |")
-    p("|---|---:|---:|---:|---:|")
-    curves, final = [], {}
+    p("| collectives | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | mean / full precision | run s |")
+    p("|---|" + "---:|" * (len(seeds) + 3))
+    full = final.get("none", {})
+    full_mean = sum(full.values()) / len(full) if len(full) == len(seeds) else None
+    relative = {}
     for codec, title in CODECS:
-        r = accuracy.get(codec)
-        if r is None:
+        losses = final.get(codec)
+        if not losses:
             continue
-        if r.get("error"):
-            p(f"| {title} | failed: {r.get('error')} | | | |")
-            continue
-        records = read_metrics(r["metrics"])
-        validation = [m["validation_loss"] for m in records if "validation_loss" in m]
-        if not records or not validation:
-            p(f"| {title} | no metrics in {r['metrics']} | | | |")
-            continue
-        final[codec] = validation[-1]
-        curves.append((title, records))
-        rel = validation[-1] / final["none"] if "none" in final else None
-        p(f"| {title} | {fmt(records[-1]['loss'], 4)} | **{fmt(validation[-1], 4)}** | "
-          f"{fmt(rel, 4)} | {r.get('seconds')} |")
+        cells = []
+        for s in seeds:
+            if s not in losses:
+                cells.append("–")
+            elif codec == "none" or s not in full:
+                cells.append(fmt(losses[s], 4))
+            else:
+                cells.append(f"{fmt(losses[s], 4)} ({100 * (losses[s] / full[s] - 1):+.2f}%)")
+        mean = sum(losses.values()) / len(losses) if len(losses) == len(seeds) else None
+        if mean is not None and full_mean is not None:
+            relative[codec] = mean / full_mean - 1
+        p(f"| {title} | " + " | ".join(cells) + f" | **{fmt(mean, 4)}** | "
+          f"{fmt(mean / full_mean if mean and full_mean else None, 4)} | "
+          f"{fmt(sum(seconds[codec]) / len(seconds[codec]), 0)} |")
     p()
-    svg = os.path.join(os.path.dirname(args.out), "codecs_loss.svg")
-    if loss_curves_svg(curves, svg):
-        p("![training and validation loss with full-precision and quantized collectives](codecs_loss.svg)")
+    if len(full) > 1:
+        low, high = min(full.values()), max(full.values())
+        p(f"Full precision alone ends between {fmt(low, 4)} and {fmt(high, 4)} over these seeds "
+          f"({fmt(100 * (high / low - 1), 2)}% apart): one run's difference to another is mostly "
+          "the seed's, and only a mean over seeds says what a codec costs.")
         p()
-    if "none" in final:
-        for codec in ("int8", "int8-ef", "fp8"):
-            if codec in final:
-                rel = final[codec] / final["none"] - 1
-                verdict = "met" if abs(rel) <= 0.01 else (
-                    "outside 1%, but lower (better) than full precision" if rel < 0
-                    else "missed")
-                rep.target((f"quantized: {codec} validation loss within 1% of full precision",
-                            f"{'+' if rel >= 0 else ''}{fmt(100 * rel, 2)}%", verdict))
+    if failures:
+        p("Failed: " + "; ".join(failures) + ".")
+        p()
+    svg = os.path.join(os.path.dirname(args.out), "codecs_loss.svg")
+    named = [(title, curves[codec]) for codec, title in CODECS if codec in curves]
+    if loss_curves_svg(named, svg):
+        p(f"![training and validation loss with full-precision and quantized collectives, seed {seeds[0]}](codecs_loss.svg)")
+        p()
+    for codec in ("int8", "int8-ef", "fp8"):
+        if codec in relative:
+            rel = relative[codec]
+            verdict = "met" if abs(rel) <= 0.01 else (
+                "outside 1%, but lower (better) than full precision" if rel < 0 else "missed")
+            rep.target((f"quantized: {codec} validation loss within 1% of full precision, "
+                        f"mean of {len(seeds)} seeds",
+                        f"{'+' if rel >= 0 else ''}{fmt(100 * rel, 2)}%", verdict))
 
 
 def ms_list(values):

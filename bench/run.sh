@@ -22,7 +22,8 @@
 # length of the memory runs (default 16), BENCH_BEYOND_LIMIT_MIB the per-rank limit of the
 # beyond run (default 1280), BENCH_SAVES the timed saves of each kind in the checkpoint
 # run (default 5), BENCH_PIPELINE_FORWARD_MS a pipeline stage's forward per microbatch
-# (default 80), BENCH_REPORT (default docs/performance.md). Raw results:
+# (default 80), BENCH_ACCURACY_SEEDS the seeds of the codecs' accuracy runs (default
+# "0 1 2"), BENCH_REPORT (default docs/performance.md). Raw results:
 # BUILD_DIR/bench/results/{SECTION.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
@@ -261,13 +262,15 @@ section_pipeline() {
 # parameter and fused, bytes sent per step counted (hp::wire_bytes); on loopback, then on
 # the bandwidth-limited link next to FSDP2. Then their accuracy: the demo's job (make
 # demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
-# quantized, in full precision, int8 (also with error feedback) and fp8 (metrics under
-# $OUT/codecs/<codec>/). And the secondary partition (reshard_after_forward = 2) on 4 ranks
+# quantized, in full precision, int8 (also with error feedback) and fp8, once per seed: a
+# run's validation loss moves by a few percent with the seed alone, so the codecs are
+# judged on the mean (metrics under $OUT/codecs/<codec>-seed<seed>/). And the secondary partition (reshard_after_forward = 2) on 4 ranks
 # in 2 "nodes" of 2 ranks, each node's egress limited: the backward all-gathers stay in the
 # node.
 CODEC_VARIANTS=local,hp,hp:int8ag,hp:int8ag+int8rs,hp:int8ag+int8rs+ef,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+int8ag+int8rs
 NODE_VARIANTS=local,hp,hp:raf2,hp:int8ag+int8rs,hp:int8ag+int8rs+raf2
 CODEC_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
+ACCURACY_SEEDS=${BENCH_ACCURACY_SEEDS:-0 1 2}
 DEMO_DATA="--data README.md --data docs --data src --data include --data models --data examples --data tests"
 section_codecs() {
   echo "bench: quantized collectives (2 ranks loopback and $RATE; accuracy on 4 ranks)"
@@ -296,24 +299,28 @@ section_codecs() {
     bench/netns.sh down 2 >/dev/null 2>&1
     echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
   fi
-  local codec flags start rc
-  for codec in none int8 int8-ef fp8; do
-    case $codec in
-      none) flags=() ;;
-      int8-ef) flags=(--ag-codec int8 --rs-codec int8 --error-feedback) ;;
-      *) flags=(--ag-codec "$codec" --rs-codec "$codec") ;;
-    esac
-    rm -rf "$OUT/codecs/$codec"
-    mkdir -p "$OUT/codecs/$codec"
-    start=$SECONDS
-    # shellcheck disable=SC2086
-    "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" $DEMO_DATA \
-      --mesh 1x4 --out "$OUT/codecs/$codec" "${flags[@]}" >"$OUT/codecs/$codec/log.txt" 2>&1
-    rc=$?
-    printf '{"label": "codecs/accuracy", "impl": "train_decoder", "variant": "%s", "metrics": "%s", "seconds": %d, "error": %s}\n' \
-      "$codec" "$OUT/codecs/$codec/metrics.jsonl" $((SECONDS - start)) \
-      "$([ $rc = 0 ] && echo null || echo "\"exit $rc\"")" >>"$RESULTS"
-    printf '  %-20s %-12s %4d s  exit %d\n' "codecs/accuracy" "$codec" $((SECONDS - start)) "$rc"
+  local codec flags start rc seed dir
+  for seed in $ACCURACY_SEEDS; do
+    for codec in none int8 int8-ef fp8; do
+      case $codec in
+        none) flags=() ;;
+        int8-ef) flags=(--ag-codec int8 --rs-codec int8 --error-feedback) ;;
+        *) flags=(--ag-codec "$codec" --rs-codec "$codec") ;;
+      esac
+      dir=$OUT/codecs/$codec-seed$seed
+      rm -rf "$dir"
+      mkdir -p "$dir"
+      start=$SECONDS
+      # shellcheck disable=SC2086
+      "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" $DEMO_DATA \
+        --mesh 1x4 --seed "$seed" --out "$dir" "${flags[@]}" >"$dir/log.txt" 2>&1
+      rc=$?
+      printf '{"label": "codecs/accuracy", "impl": "train_decoder", "variant": "%s", "seed": %d, "metrics": "%s", "seconds": %d, "error": %s}\n' \
+        "$codec" "$seed" "$dir/metrics.jsonl" $((SECONDS - start)) \
+        "$([ $rc = 0 ] && echo null || echo "\"exit $rc\"")" >>"$RESULTS"
+      printf '  %-20s %-12s %4d s  exit %d\n' "codecs/accuracy" "$codec seed $seed" \
+        $((SECONDS - start)) "$rc"
+    done
   done
 }
 

@@ -422,6 +422,7 @@ hp::FullyShardOptions shard_options(const TrainOptions& o,
     options.mp_policy.reduce_dtype = at::kFloat;
   }
   options.comm_fusion = o.comm_fusion;
+  options.comm_fusion_bucket_bytes = o.comm_fusion_bucket_bytes;
   options.comm_policy.all_gather_codec = hp::parse_comm_codec(o.ag_codec);
   options.comm_policy.reduce_scatter_codec = hp::parse_comm_codec(o.rs_codec);
   options.comm_policy.block_size = o.codec_block;

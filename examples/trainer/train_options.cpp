@@ -162,6 +162,12 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
   app.add_flag("--comm-fusion", o.comm_fusion,
                "one all-gather / reduce-scatter per module instead of per parameter")
       ->group("Parallelism");
+  app.add_option("--comm-fusion-bucket", o.comm_fusion_bucket_bytes,
+                 "with --comm-fusion: a module's buffer moves in collectives of whole "
+                 "parameters of at most this many bytes per peer, all issued at once (e.g. "
+                 "128KiB, which keeps a slow TCP link full; 0: one collective per module)")
+      ->transform(CLI::AsSizeValue(/*kb_is_1000=*/false))
+      ->group("Parallelism");
   app.add_option("--ag-codec", o.ag_codec,
                  "parameter all-gathers send int8 or fp8 blocks (one byte per value plus an "
                  "fp32 scale per --codec-block values); the optimizer still steps fp32 shards")
@@ -344,6 +350,9 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   if (o.heads % o.tp != 0) {
     return "--tp (" + std::to_string(o.tp) + ") must divide --heads (" + std::to_string(o.heads) +
            ")";
+  }
+  if (o.comm_fusion_bucket_bytes != 0 && !o.comm_fusion) {
+    return "--comm-fusion-bucket sizes the collectives of --comm-fusion: give --comm-fusion";
   }
   const bool quantized = o.ag_codec != "none" || o.rs_codec != "none";
   if (quantized && o.shard == 1) {

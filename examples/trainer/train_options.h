@@ -41,6 +41,7 @@ struct TrainOptions {
   int64_t microbatches = 4;          // per data-parallel rank's batch, under --pp
   int64_t virtual_stages = 1;        // stages per pipeline rank (interleaved: >= 2)
   bool comm_fusion = false;
+  int64_t comm_fusion_bucket_bytes = 0;  // per peer and collective; 0: one per module
   // Quantized collectives (hp::CommPolicy): none | int8 | fp8, and values per scale.
   std::string ag_codec = "none";
   std::string rs_codec = "none";

@@ -700,6 +700,36 @@ TEST(Trainer, QuantizedCollectivesTrainCloseToFullPrecisionAndRerunBitwise) {
   expect_same_checkpoint(straight, restarted, 20, 2);
 }
 
+// --comm-fusion-bucket reaches fully_shard: in full precision the buckets move the same
+// values (the same losses), with int8 each bucket's blocks start at its first parameter
+// (other losses). Without --comm-fusion, or with a size that is not one, it is a usage error.
+TEST(Trainer, CommFusionBucketsMoveTheSameValues) {
+  TempDir dir;
+  const auto losses_of = [&](const std::string& name, const std::string& flags) {
+    const std::string out = (dir.path / name).string();
+    const ProgramRun run =
+        train("", "--steps 3 --log-every 1 --comm-fusion " + flags + " --out " + out);
+    EXPECT_NE(verdict(run.output), "") << run.output;
+    return std::make_pair(run.output, logged_losses(out));
+  };
+  const std::string int8 = "--ag-codec int8 --rs-codec int8 --codec-block 64";
+  const auto [output, bucketed] = losses_of("bucketed", "--comm-fusion-bucket 4KiB");
+  EXPECT_TRUE(contains(output, "[rank 0] comm-fusion-bucket=4096")) << output;
+  ASSERT_EQ(bucketed.size(), 3u);
+  EXPECT_EQ(bucketed, losses_of("whole", "").second);
+  EXPECT_NE(losses_of("bucketed-int8", "--comm-fusion-bucket 4KiB " + int8).second,
+            losses_of("whole-int8", int8).second);
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--comm-fusion-bucket 4KiB",
+            "--comm-fusion-bucket sizes the collectives of "
+            "--comm-fusion: give --comm-fusion"},
+           {"--comm-fusion --comm-fusion-bucket lots", "--comm-fusion-bucket"}}) {
+    const ProgramRun run = train("", "--steps 2 " + flags);
+    EXPECT_EQ(run.exit_code, 2) << flags << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, message)) << flags << "\n" << run.output;
+  }
+}
+
 TEST(Trainer, CodecMisuseIsAUsageError) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--ag-codec int4", "--ag-codec: int4 not in {none,int8,fp8}"},
