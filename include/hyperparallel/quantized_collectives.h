@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/comm_codec.h"
 
@@ -28,5 +30,20 @@ CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, cons
 CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
                                     const Group& group, CommCodec codec, int64_t block_size,
                                     const at::Tensor& residual = {});
+
+// The same for several tensors in one collective, as `*_coalesced` in c10d: each input is
+// quantized on its own (its blocks start at its first value), so each output holds what a
+// call per tensor gives, bit for bit, and the bytes are the same; but they travel as one
+// message per peer instead of one per tensor, which on a TCP link saves a round trip per
+// tensor (fully_shard's per-parameter mode moves a module's parameters so when quantized).
+// `residuals`: none, or one per input as `residual` above.
+CommHandle quantized_all_gather_coalesced(std::vector<at::Tensor> outputs,
+                                          const std::vector<at::Tensor>& inputs, const Group& group,
+                                          CommCodec codec, int64_t block_size);
+CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
+                                              const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                              const Group& group, CommCodec codec,
+                                              int64_t block_size,
+                                              const std::vector<at::Tensor>& residuals = {});
 
 }  // namespace hp

@@ -8,17 +8,25 @@
 namespace hp {
 namespace {
 
-// One row per quantized row: its codes' bytes, then its scales' bytes.
-at::Tensor pack(const QuantizedBlocks& blocks) {
-  return at::cat({blocks.codes.view(at::kByte), blocks.scales.view(at::kByte)}, 1);
+// Tensor after tensor, each row's codes' bytes, then its scales' bytes.
+at::Tensor pack(const std::vector<QuantizedBlocks>& tensors) {
+  std::vector<at::Tensor> pieces;
+  for (const QuantizedBlocks& blocks : tensors) {
+    pieces.push_back(blocks.codes.view(at::kByte));
+    pieces.push_back(blocks.scales.view(at::kByte));
+  }
+  return at::cat(pieces, 1);
 }
 
-QuantizedBlocks unpack(const at::Tensor& rows, int64_t n, CommCodec codec) {
+// The blocks of n values a row that start `offset` bytes into each row of `rows`.
+QuantizedBlocks unpack(const at::Tensor& rows, int64_t offset, int64_t n, int64_t block_size,
+                       CommCodec codec) {
   const c10::ScalarType code_type = codec == CommCodec::kInt8 ? at::kChar : at::kFloat8_e4m3fn;
+  const int64_t scale_bytes = quantized_row_bytes(n, block_size) - n;
   // The codes stay where they are (one byte each: a view); the scales are copied out to
   // be aligned floats.
-  return {rows.narrow(1, 0, n).view(code_type),
-          rows.narrow(1, n, rows.size(1) - n).contiguous().view(at::kFloat)};
+  return {rows.narrow(1, offset, n).view(code_type),
+          rows.narrow(1, offset + n, scale_bytes).contiguous().view(at::kFloat)};
 }
 
 void require_codec(const char* op, CommCodec codec, int64_t block_size) {
@@ -27,73 +35,144 @@ void require_codec(const char* op, CommCodec codec, int64_t block_size) {
   TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
 }
 
-void require_parts(const char* op, const at::Tensor& whole, const at::Tensor& part,
-                   const Group& group) {
-  TORCH_CHECK_VALUE(whole.is_contiguous() && part.is_contiguous(), op,
-                    ": input and output must be contiguous (call .contiguous())");
-  TORCH_CHECK_VALUE(
-      at::isFloatingType(part.scalar_type()) && whole.scalar_type() == part.scalar_type(), op,
-      ": input and output must have one floating-point dtype, got ", whole.scalar_type(), " and ",
-      part.scalar_type());
-  TORCH_CHECK_VALUE(whole.numel() == part.numel() * group.size(), op, ": the whole side must have ",
-                    "group size (", group.size(), ") x ", part.numel(), " elements, got ",
-                    whole.numel());
+void require_parts(const char* op, const std::vector<at::Tensor>& wholes,
+                   const std::vector<at::Tensor>& parts, const Group& group) {
+  TORCH_CHECK_VALUE(!parts.empty() && wholes.size() == parts.size(), op,
+                    ": needs as many outputs as inputs, at least one, got ", wholes.size(), " and ",
+                    parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& whole = wholes[i];
+    const at::Tensor& part = parts[i];
+    TORCH_CHECK_VALUE(whole.is_contiguous() && part.is_contiguous(), op,
+                      ": input and output must be contiguous (call .contiguous())");
+    TORCH_CHECK_VALUE(
+        at::isFloatingType(part.scalar_type()) && whole.scalar_type() == part.scalar_type(), op,
+        ": input and output must have one floating-point dtype, got ", whole.scalar_type(), " and ",
+        part.scalar_type());
+    TORCH_CHECK_VALUE(whole.numel() == part.numel() * group.size(), op,
+                      ": the whole side must have group size (", group.size(), ") x ", part.numel(),
+                      " elements, got ", whole.numel());
+  }
+}
+
+void require_residuals(const std::vector<at::Tensor>& residuals,
+                       const std::vector<at::Tensor>& inputs) {
+  if (residuals.empty()) return;
+  TORCH_CHECK_VALUE(residuals.size() == inputs.size(),
+                    "quantized_reduce_scatter: one residual per input, or none; got ",
+                    residuals.size(), " for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& residual = residuals[i];
+    const at::Tensor& input = inputs[i];
+    TORCH_CHECK_VALUE(residual.defined() && residual.is_contiguous() &&
+                          residual.scalar_type() == at::kFloat &&
+                          residual.numel() == input.numel() && residual.device() == input.device(),
+                      "quantized_reduce_scatter: the residual must be a contiguous fp32 tensor of ",
+                      input.numel(), " elements on the input's device, got ",
+                      residual.defined() ? residual.sizes() : at::IntArrayRef{}, " ",
+                      residual.defined() ? residual.scalar_type() : at::kFloat, " on ",
+                      residual.defined() ? residual.device() : input.device());
+  }
 }
 
 }  // namespace
 
-CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, const Group& group,
-                                CommCodec codec, int64_t block_size) {
+CommHandle quantized_all_gather_coalesced(std::vector<at::Tensor> outputs,
+                                          const std::vector<at::Tensor>& inputs, const Group& group,
+                                          CommCodec codec, int64_t block_size) {
   require_codec("quantized_all_gather", codec, block_size);
-  require_parts("quantized_all_gather", output, input, group);
-  if (!group.communicates()) return all_gather(std::move(output), input, group);
-  const int64_t n = input.numel();
-  const at::Tensor packed = pack(quantize_blocks(input.view({1, n}), codec, block_size));
+  require_parts("quantized_all_gather", outputs, inputs, group);
+  if (!group.communicates()) {
+    std::vector<CommHandle> copies;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      copies.push_back(all_gather(outputs[i], inputs[i], group));
+    }
+    return CommHandle::after(std::move(copies), {});
+  }
+  std::vector<QuantizedBlocks> rows;
+  for (const at::Tensor& input : inputs) {
+    rows.push_back(quantize_blocks(input.view({1, input.numel()}), codec, block_size));
+  }
+  const at::Tensor packed = pack(rows);
+  rows.clear();
   at::Tensor gathered = at::empty({group.size(), packed.size(1)}, packed.options());
   CommHandle gather = all_gather(gathered, packed, group);
-  return CommHandle::after({std::move(gather)}, [output, gathered, n, codec, block_size,
-                                                 shards = group.size()]() mutable {
-    output.view({shards, n})
-        .copy_(dequantize_blocks(unpack(gathered, n, codec), block_size, output.scalar_type()));
-    gathered = at::Tensor();
-  });
+  return CommHandle::after(
+      {std::move(gather)}, [outputs, gathered, codec, block_size, shards = group.size()]() mutable {
+        int64_t offset = 0;
+        for (at::Tensor& output : outputs) {
+          const int64_t n = output.numel() / shards;
+          output.view({shards, n})
+              .copy_(dequantize_blocks(unpack(gathered, offset, n, block_size, codec), block_size,
+                                       output.scalar_type()));
+          offset += quantized_row_bytes(n, block_size);
+        }
+        gathered = at::Tensor();
+      });
+}
+
+CommHandle quantized_all_gather(at::Tensor output, const at::Tensor& input, const Group& group,
+                                CommCodec codec, int64_t block_size) {
+  return quantized_all_gather_coalesced({std::move(output)}, {input}, group, codec, block_size);
+}
+
+CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
+                                              const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                              const Group& group, CommCodec codec,
+                                              int64_t block_size,
+                                              const std::vector<at::Tensor>& residuals) {
+  require_codec("quantized_reduce_scatter", codec, block_size);
+  require_parts("quantized_reduce_scatter", inputs, outputs, group);
+  TORCH_CHECK_VALUE(op == ReduceOp::kSum || op == ReduceOp::kAvg,
+                    "quantized_reduce_scatter: reduce op ", to_string(op),
+                    " is not a sum; only sum and avg are quantized");
+  require_residuals(residuals, inputs);
+  if (!group.communicates()) {
+    std::vector<CommHandle> copies;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      copies.push_back(reduce_scatter(outputs[i], inputs[i], op, group));
+    }
+    return CommHandle::after(std::move(copies), {});
+  }
+  const int64_t peers = group.size();
+  std::vector<QuantizedBlocks> rows;  // per input, one row per peer
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t n = outputs[i].numel();
+    at::Tensor values = inputs[i].view({peers, n});
+    if (!residuals.empty()) values = values.to(at::kFloat) + residuals[i].view({peers, n});
+    rows.push_back(quantize_blocks(values, codec, block_size));
+    if (!residuals.empty()) {
+      residuals[i]
+          .view({peers, n})
+          .copy_(values - dequantize_blocks(rows.back(), block_size, at::kFloat));
+    }
+  }
+  const at::Tensor packed = pack(rows);
+  rows.clear();
+  at::Tensor received = at::empty_like(packed);
+  CommHandle exchange = all_to_all(received, packed, group);
+  return CommHandle::after(
+      {std::move(exchange)}, [outputs, received, peers, op, codec, block_size]() mutable {
+        int64_t offset = 0;
+        for (at::Tensor& output : outputs) {
+          const int64_t n = output.numel();
+          const at::Tensor parts = dequantize_blocks(unpack(received, offset, n, block_size, codec),
+                                                     block_size, at::kFloat);
+          at::Tensor sum = at::sum(parts, {0});
+          if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(peers));
+          output.copy_(sum.view(output.sizes()));
+          offset += quantized_row_bytes(n, block_size);
+        }
+        received = at::Tensor();
+      });
 }
 
 CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
                                     const Group& group, CommCodec codec, int64_t block_size,
                                     const at::Tensor& residual) {
-  require_codec("quantized_reduce_scatter", codec, block_size);
-  require_parts("quantized_reduce_scatter", input, output, group);
-  TORCH_CHECK_VALUE(op == ReduceOp::kSum || op == ReduceOp::kAvg,
-                    "quantized_reduce_scatter: reduce op ", to_string(op),
-                    " is not a sum; only sum and avg are quantized");
-  if (!group.communicates()) return reduce_scatter(std::move(output), input, op, group);
-  const int64_t n = output.numel();
-  const int64_t peers = group.size();
-  at::Tensor values = input.view({peers, n});
-  if (residual.defined()) {
-    TORCH_CHECK_VALUE(residual.is_contiguous() && residual.scalar_type() == at::kFloat &&
-                          residual.numel() == input.numel() && residual.device() == input.device(),
-                      "quantized_reduce_scatter: the residual must be a contiguous fp32 tensor of ",
-                      input.numel(), " elements on the input's device, got ", residual.sizes(), " ",
-                      residual.scalar_type(), " on ", residual.device());
-    values = values.to(at::kFloat) + residual.view({peers, n});
-  }
-  const QuantizedBlocks blocks = quantize_blocks(values, codec, block_size);
-  if (residual.defined()) {
-    residual.view({peers, n}).copy_(values - dequantize_blocks(blocks, block_size, at::kFloat));
-  }
-  const at::Tensor packed = pack(blocks);
-  at::Tensor received = at::empty_like(packed);
-  CommHandle exchange = all_to_all(received, packed, group);
-  return CommHandle::after({std::move(exchange)}, [output, received, n, peers, op, codec,
-                                                   block_size]() mutable {
-    const at::Tensor parts = dequantize_blocks(unpack(received, n, codec), block_size, at::kFloat);
-    received = at::Tensor();
-    at::Tensor sum = at::sum(parts, {0});
-    if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(peers));
-    output.copy_(sum.view(output.sizes()));
-  });
+  return quantized_reduce_scatter_coalesced(
+      {std::move(output)}, {input}, op, group, codec, block_size,
+      residual.defined() ? std::vector<at::Tensor>{residual} : std::vector<at::Tensor>{});
 }
 
 }  // namespace hp

@@ -127,13 +127,24 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   const int64_t shards = group.size();
   const c10::DeviceType device = inputs.front().tensor.device().type();
   if (!fusion.enabled) {
+    for (FSDPParam* param : params) {
+      result.outputs.push_back(param->all_gather_output());
+      if (!param->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
+    }
+    if (policy.all_gather_codec != CommCodec::kNone) {
+      // Quantized, each parameter still has blocks of its own, but they travel together:
+      // one small message per parameter would cost a round trip each on a TCP link.
+      std::vector<at::Tensor> shards;
+      for (const CommBuffer& input : inputs) shards.push_back(input.tensor);
+      result.handle = quantized_all_gather_coalesced(result.outputs, shards, group,
+                                                     policy.all_gather_codec, policy.block_size);
+      return result;
+    }
     result.handle = coalesced(group, device, [&] {
       std::vector<CommHandle> gathers;
       try {
         for (size_t i = 0; i < params.size(); ++i) {
-          result.outputs.push_back(params[i]->all_gather_output());
-          if (!params[i]->gathers_in_place()) result.temporaries.push_back(result.outputs.back());
-          gathers.push_back(gather(result.outputs.back(), inputs[i].tensor, group, policy));
+          gathers.push_back(all_gather(result.outputs[i], inputs[i].tensor, group));
         }
       } catch (...) {
         wait_issued(gathers);
@@ -294,31 +305,40 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     return result;
   }
   zero_between_slots(result.buffer, result.offsets, params);
-  const auto issue = [&] {
+  std::vector<at::Tensor> slots, parts, residuals;
+  for (size_t i = 0; i < params.size(); ++i) {
+    CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
+    // In place: the input is this reduction's own (a copy, or the unsharded gradient
+    // that is dropped once reduced).
+    if (divide_before != 1.0) part.tensor.div_(divide_before);
+    if (keep_grads) result.grads.push_back(std::move(grads[i]));
+    grads[i] = at::Tensor();
+    slots.push_back(result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel));
+    if (policy.error_feedback) {
+      residuals.push_back(residual_of(*params[i], part.tensor.device()).view(-1));
+    }
+    parts.push_back(part.tensor);
+    result.inputs.push_back(std::move(part));
+  }
+  if (policy.reduce_scatter_codec != CommCodec::kNone) {
+    // As the quantized all-gather: blocks of each parameter's own, one message per peer.
+    result.handle = quantized_reduce_scatter_coalesced(slots, parts, ReduceOp::kSum, group,
+                                                       policy.reduce_scatter_codec,
+                                                       policy.block_size, residuals);
+    return result;
+  }
+  result.handle = coalesced(group, options.device().type(), [&] {
     std::vector<CommHandle> reduce_scatters;
     try {
       for (size_t i = 0; i < params.size(); ++i) {
-        CommBuffer part = params[i]->reduce_scatter_input(grads[i], reduce_dtype);
-        // In place: the input is this reduction's own (a copy, or the unsharded gradient
-        // that is dropped once reduced).
-        if (divide_before != 1.0) part.tensor.div_(divide_before);
-        if (keep_grads) result.grads.push_back(std::move(grads[i]));
-        grads[i] = at::Tensor();
-        at::Tensor slot =
-            result.buffer.narrow(0, result.offsets[i], params[i]->layout().padded_numel);
-        const at::Tensor residual = policy.error_feedback
-                                        ? residual_of(*params[i], part.tensor.device()).view(-1)
-                                        : at::Tensor();
-        reduce_scatters.push_back(scatter(slot, part.tensor, group, policy, residual));
-        result.inputs.push_back(std::move(part));
+        reduce_scatters.push_back(reduce_scatter(slots[i], parts[i], ReduceOp::kSum, group));
       }
     } catch (...) {
       wait_issued(reduce_scatters);
       throw;
     }
     return reduce_scatters;
-  };
-  result.handle = coalesced(group, options.device().type(), issue);
+  });
   return result;
 }
 

@@ -86,6 +86,49 @@ HP_DIST_TEST(QuantizedCollectives, OnTheGroupsOfAnHsdpMesh, 4) {
   check_on(*mesh.group("replicate"));
 }
 
+// Several tensors in one collective: each output bitwise what a call per tensor gives
+// (blocks of its own), residuals included; the bytes are the same.
+HP_DIST_TEST(QuantizedCollectives, CoalescedAsOneCallPerTensor, 2, 3) {
+  const Group& group = *testing::world()->world_group();
+  const int64_t shards = group.size();
+  const std::vector<int64_t> sizes = {37, 5, 64};  // uneven, one below a block
+  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kBFloat16, at::kFloat};
+  std::vector<at::Tensor> inputs, whole_inputs, gathered, reduced, residuals;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    inputs.push_back(input_of(group.rank() + 10 * i, sizes[i], dtypes[i]));
+    whole_inputs.push_back(input_of(group.rank() + 20 * i, sizes[i] * shards, at::kFloat));
+    gathered.push_back(torch::empty({shards * sizes[i]}, dtypes[i]));
+    reduced.push_back(torch::empty({sizes[i]}));
+    residuals.push_back(torch::full({sizes[i] * shards}, 0.01f * (i + 1)));
+  }
+  reset_wire_bytes();
+  quantized_all_gather_coalesced(gathered, inputs, group, CommCodec::kInt8, kBlock).wait();
+  quantized_reduce_scatter_coalesced(reduced, whole_inputs, ReduceOp::kAvg, group, CommCodec::kFp8,
+                                     kBlock, residuals)
+      .wait();
+  const WireBytes together = wire_bytes();
+  reset_wire_bytes();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i));
+    at::Tensor one_gathered = torch::empty_like(gathered[i]);
+    quantized_all_gather(one_gathered, inputs[i], group, CommCodec::kInt8, kBlock).wait();
+    EXPECT_TRUE(torch::equal(gathered[i], one_gathered));
+    at::Tensor one_reduced = torch::empty_like(reduced[i]);
+    const at::Tensor residual = torch::full({sizes[i] * shards}, 0.01f * (i + 1));
+    quantized_reduce_scatter(one_reduced, whole_inputs[i], ReduceOp::kAvg, group, CommCodec::kFp8,
+                             kBlock, residual)
+        .wait();
+    EXPECT_TRUE(torch::equal(reduced[i], one_reduced));
+    EXPECT_TRUE(torch::equal(residuals[i], residual));
+  }
+  EXPECT_EQ(together.total(), wire_bytes().total());
+  EXPECT_NE(error_of([&] {
+              quantized_all_gather_coalesced({gathered[0]}, inputs, group, CommCodec::kInt8,
+                                             kBlock);
+            }).find("as many outputs as inputs"),
+            std::string::npos);
+}
+
 // One byte per value and 4 per block of 256 against fp32's 4 per value: 0.254x.
 HP_DIST_TEST(QuantizedCollectives, WireBytesAreAQuarterOfFp32s, 2, 4) {
   const Group& group = *testing::world()->world_group();
