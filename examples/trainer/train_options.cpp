@@ -164,8 +164,8 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
       ->group("Parallelism");
   app.add_option("--comm-fusion-bucket", o.comm_fusion_bucket_bytes,
                  "with --comm-fusion: a module's buffer moves in collectives of whole "
-                 "parameters of at most this many bytes per peer, all issued at once (e.g. "
-                 "128KiB, which keeps a slow TCP link full; 0: one collective per module)")
+                 "parameters of at most this many bytes on the wire per peer, all issued at "
+                 "once (e.g. 128KiB, which keeps a slow TCP link full; 0: one per module)")
       ->transform(CLI::AsSizeValue(/*kb_is_1000=*/false))
       ->group("Parallelism");
   app.add_option("--ag-codec", o.ag_codec,

@@ -63,9 +63,10 @@ struct FullyShardOptions {
   // one per parameter.
   bool comm_fusion = false;
   // With comm_fusion: the fused buffer moves in collectives of whole consecutive
-  // parameters sending at most this many bytes (before quantization) to each peer, all
-  // issued at once (0: one collective per module). On a TCP link a message far larger
-  // than the link's burst runs below its rate; several smaller ones keep it full.
+  // parameters sending at most this many bytes on the wire to each peer (codes and
+  // scales where comm_policy quantizes), all issued at once (0: one collective per
+  // module). On a TCP link a message far larger than the link's burst runs below its
+  // rate; several smaller ones keep it full. Each costs a collective's latency.
   int64_t comm_fusion_bucket_bytes = 0;
 };
 

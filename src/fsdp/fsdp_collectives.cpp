@@ -40,30 +40,6 @@ void release_copied_input(const CommBuffer& input, ReduceBufferStats& stats) {
   }
 }
 
-// The collectives of a fused buffer in which parameter i starts at offsets[i] (the buffer
-// holds `total` elements of `element_size` bytes): consecutive parameters, each bucket
-// [begin, end) of elements at most `bucket_bytes` (0: no limit) unless one parameter
-// alone is larger.
-struct FusionBucket {
-  size_t first = 0, last = 0;  // parameters [first, last)
-  int64_t begin = 0, end = 0;  // elements
-};
-std::vector<FusionBucket> fusion_buckets(const std::vector<int64_t>& offsets, int64_t total,
-                                         int64_t element_size, int64_t bucket_bytes) {
-  const auto end_of = [&](size_t i) { return i + 1 < offsets.size() ? offsets[i + 1] : total; };
-  std::vector<FusionBucket> buckets;
-  size_t first = 0;
-  for (size_t i = 1; i <= offsets.size(); ++i) {
-    const bool full = i < offsets.size() && bucket_bytes > 0 &&
-                      (end_of(i) - offsets[first]) * element_size > bucket_bytes;
-    if (i == offsets.size() || full) {
-      buckets.push_back({first, i, offsets[first], end_of(i - 1)});
-      first = i;
-    }
-  }
-  return buckets;
-}
-
 // A bucket's rank-major [shards x bucket elements] part of a fused buffer laid out bucket
 // after bucket.
 at::Tensor bucket_rows(const at::Tensor& flat, const FusionBucket& bucket, int64_t shards) {
@@ -116,6 +92,26 @@ CommHandle scatter(const at::Tensor& output, const at::Tensor& input, const Grou
 
 }  // namespace
 
+int64_t WireFormat::bytes(int64_t count) const {
+  return codec == CommCodec::kNone ? count * element_size : quantized_row_bytes(count, block_size);
+}
+
+std::vector<FusionBucket> fusion_buckets(const std::vector<int64_t>& offsets, int64_t total,
+                                         int64_t bucket_bytes, const WireFormat& format) {
+  const auto end_of = [&](size_t i) { return i + 1 < offsets.size() ? offsets[i + 1] : total; };
+  std::vector<FusionBucket> buckets;
+  size_t first = 0;
+  for (size_t i = 1; i <= offsets.size(); ++i) {
+    const bool full = i < offsets.size() && bucket_bytes > 0 &&
+                      format.bytes(end_of(i) - offsets[first]) > bucket_bytes;
+    if (i == offsets.size() || full) {
+      buckets.push_back({first, i, offsets[first], end_of(i - 1)});
+      first = i;
+    }
+  }
+  return buckets;
+}
+
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
                                   const CommFusion& fusion, const CommPolicy& policy) {
@@ -167,7 +163,8 @@ AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
   // Bucket after bucket, each rank-major: every bucket's all-gather lands in place.
   at::Tensor output = at::empty({shards * total}, input.options());
   const std::vector<FusionBucket> buckets =
-      fusion_buckets(offsets, total, input.element_size(), fusion.bucket_bytes);
+      fusion_buckets(offsets, total, fusion.bucket_bytes,
+                     {input.element_size(), policy.all_gather_codec, policy.block_size});
   for (const FusionBucket& bucket : buckets) {
     const at::Tensor rows = bucket_rows(output, bucket, shards);
     for (size_t i = bucket.first; i < bucket.last; ++i) {
@@ -231,7 +228,9 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
     // Rank-major per bucket and laid out like the buffer, so that each bucket's
     // reduce-scatter lands in its part of the buffer as is.
     const std::vector<FusionBucket> buckets =
-        fusion_buckets(result.offsets, total, c10::elementSize(reduce_dtype), fusion.bucket_bytes);
+        fusion_buckets(result.offsets, total, fusion.bucket_bytes,
+                       {static_cast<int64_t>(c10::elementSize(reduce_dtype)),
+                        policy.reduce_scatter_codec, policy.block_size});
     at::Tensor input = at::empty({shards * total}, options);
     std::vector<at::Tensor> columns;  // per parameter, its [shards x padded_numel] part
     for (const FusionBucket& bucket : buckets) {

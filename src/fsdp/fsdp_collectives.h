@@ -33,6 +33,26 @@ struct CommFusion {
   int64_t bucket_bytes = 0;
 };
 
+// What `count` elements of `element_size` bytes send to each peer: themselves, or their
+// codes and scales under a codec.
+struct WireFormat {
+  int64_t element_size = 4;
+  CommCodec codec = CommCodec::kNone;
+  int64_t block_size = 256;
+  int64_t bytes(int64_t count) const;
+};
+
+// comm_fusion's collectives over a fused buffer of `total` elements in which parameter i
+// starts at offsets[i]: runs of consecutive whole parameters, each sending at most
+// `bucket_bytes` on the wire to every peer (0: one run), or one parameter alone if it is
+// larger. Measured on the wire, so that a codec's smaller messages fill a bucket as well.
+struct FusionBucket {
+  size_t first = 0, last = 0;  // parameters [first, last)
+  int64_t begin = 0, end = 0;  // elements
+};
+std::vector<FusionBucket> fusion_buckets(const std::vector<int64_t>& offsets, int64_t total,
+                                         int64_t bucket_bytes, const WireFormat& format);
+
 struct AllGatherResult {
   CommHandle handle;
   // Per parameter, its rank-major [shards x padded_numel] gathered data: the parameter's
@@ -50,8 +70,9 @@ struct AllGatherResult {
 // straight from the shard (no copy-in) into its unsharded storage for Shard(0) (no
 // copy-out). comm_fusion copies the inputs into one buffer and issues one all-gather per
 // bucket (each landing in place in the one output buffer).
-// With policy.all_gather_codec each all-gather moves quantized blocks instead (a shard,
-// or the fused buffer, quantized as one row).
+// With policy.all_gather_codec each all-gather moves quantized blocks instead: per
+// parameter, each shard quantized on its own and all of them in one collective; fused,
+// each bucket quantized as one row.
 AllGatherResult all_gather_params(const std::vector<FSDPParam*>& params,
                                   const std::vector<CommBuffer>& inputs, const Group& group,
                                   const CommFusion& fusion, const CommPolicy& policy);
@@ -92,7 +113,8 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // bucket into its part of the buffer.
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
 // other than the one that made them reads them (CommStreams). With
-// policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead, and
+// policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead (per
+// parameter, all of a module's in one collective, as the all-gathers), and
 // with policy.error_feedback carries the residuals `residual_of` gives (the fused input
 // carries its parameters' residuals, copied in and back out).
 // A parameter's error-feedback residual on `device`: [shards x padded_numel] fp32,
