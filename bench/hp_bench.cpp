@@ -15,6 +15,9 @@
 //                  comm:keep: the same for reshard_after_forward = false (no all-gather
 //                  in backward). comm:keep+gloo: with Gloo's own reduce-scatter (an
 //                  all-reduce of the whole input), as FSDP2 on Gloo runs it.
+//                  comm:int8ag+int8rs (or fp8): the quantized collectives of `hp` with
+//                  those codecs (a module's parameters in one collective, random values,
+//                  so that quantizing costs what it does in training).
 //   hp[:flags]     fully_shard on every block and the root; flags (joined by "+"):
 //                    fusion   options.comm_fusion = true
 //                    bucket   with fusion: options.comm_fusion_bucket_bytes = 128 KiB
@@ -77,6 +80,7 @@
 #include "hyperparallel/materialize.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
+#include "hyperparallel/quantized_collectives.h"
 #include "hyperparallel/sharded_checkpoint.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
@@ -243,7 +247,8 @@ double rounded(double v) { return std::round(v * 1000.0) / 1000.0; }
 std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
                                                       const hp::DeviceMesh& mesh,
                                                       bool reshard_after_forward,
-                                                      bool gloo_reduce_scatter) {
+                                                      bool gloo_reduce_scatter,
+                                                      const hp::CommPolicy& policy) {
   std::vector<std::vector<at::Tensor>> modules(1);  // [0]: the root's own parameters
   std::shared_ptr<torch::nn::Module> layers;
   for (const auto& child : model.named_children()) {
@@ -267,13 +272,24 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
     return (rows + w - 1) / w * (p.numel() / std::max<int64_t>(rows, 1));
   };
-  auto gather = [shard, w, shard_numel](const std::vector<at::Tensor>& params) {
+  // As fully_shard: quantized only where something travels.
+  const bool quantized_gather =
+      shard->communicates() && policy.all_gather_codec != hp::CommCodec::kNone;
+  const bool quantized_reduce =
+      shard->communicates() && policy.reduce_scatter_codec != hp::CommCodec::kNone;
+  auto gather = [shard, w, shard_numel, quantized = quantized_gather,
+                 policy](const std::vector<at::Tensor>& params) {
     std::vector<hp::CommHandle> handles;
-    std::vector<at::Tensor> keep;
+    std::vector<at::Tensor> inputs, outputs;
     for (const auto& p : params) {
-      keep.push_back(torch::zeros({shard_numel(p)}));
-      keep.push_back(torch::empty({w * shard_numel(p)}));
-      handles.push_back(hp::all_gather(keep.back(), keep[keep.size() - 2], *shard));
+      inputs.push_back(quantized ? torch::randn({shard_numel(p)}) : torch::zeros({shard_numel(p)}));
+      outputs.push_back(torch::empty({w * shard_numel(p)}));
+      if (!quantized) handles.push_back(hp::all_gather(outputs.back(), inputs.back(), *shard));
+    }
+    if (quantized) {
+      handles.push_back(hp::quantized_all_gather_coalesced(outputs, inputs, *shard,
+                                                           policy.all_gather_codec,
+                                                           policy.block_size));
     }
     for (auto& h : handles) h.wait();
   };
@@ -284,17 +300,25 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     return hp::CommHandle::from_work(
         shard->backend(c10::DeviceType::CPU)._reduce_scatter_base(out, in, {}));
   };
-  auto reduce = [reduce_scatter, replicate, w, shard_numel](const std::vector<at::Tensor>& params) {
+  auto reduce = [reduce_scatter, replicate, w, shard_numel, shard, quantized = quantized_reduce,
+                 policy](const std::vector<at::Tensor>& params) {
     std::vector<hp::CommHandle> handles;
-    std::vector<at::Tensor> keep;
+    std::vector<at::Tensor> inputs, outputs;
     int64_t total = 0;
     for (const auto& p : params) total += shard_numel(p);
     at::Tensor buffer = torch::zeros({total});
     int64_t offset = 0;
     for (const auto& p : params) {
-      keep.push_back(torch::ones({w * shard_numel(p)}));
-      handles.push_back(reduce_scatter(buffer.narrow(0, offset, shard_numel(p)), keep.back()));
+      inputs.push_back(quantized ? torch::randn({w * shard_numel(p)})
+                                 : torch::ones({w * shard_numel(p)}));
+      outputs.push_back(buffer.narrow(0, offset, shard_numel(p)));
+      if (!quantized) handles.push_back(reduce_scatter(outputs.back(), inputs.back()));
       offset += shard_numel(p);
+    }
+    if (quantized) {
+      handles.push_back(hp::quantized_reduce_scatter_coalesced(
+          outputs, inputs, hp::ReduceOp::kSum, *shard, policy.reduce_scatter_codec,
+          policy.block_size));
     }
     for (auto& h : handles) h.wait();
     if (replicate && replicate->size() > 1) {
@@ -451,6 +475,14 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
     throw std::invalid_argument("unknown variant " + spec);
   }
 
+  hp::CommPolicy policy;
+  policy.error_feedback = has("ef");
+  for (const char* codec : {"int8", "fp8"}) {
+    if (has((std::string(codec) + "ag").c_str())) policy.all_gather_codec = hp::parse_comm_codec(codec);
+    if (has((std::string(codec) + "rs").c_str())) {
+      policy.reduce_scatter_codec = hp::parse_comm_codec(codec);
+    }
+  }
   std::optional<hp::FullyShardOptions> options;
   if (kind == "hp") {
     options.emplace();
@@ -459,15 +491,7 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
     if (has("bucket")) options->comm_fusion_bucket_bytes = 128 * 1024;
     if (has("keep")) options->reshard_after_forward = false;
     if (has("raf2")) options->reshard_after_forward = int64_t{2};
-    options->comm_policy.error_feedback = has("ef");
-    for (const char* codec : {"int8", "fp8"}) {
-      if (has((std::string(codec) + "ag").c_str())) {
-        options->comm_policy.all_gather_codec = hp::parse_comm_codec(codec);
-      }
-      if (has((std::string(codec) + "rs").c_str())) {
-        options->comm_policy.reduce_scatter_codec = hp::parse_comm_codec(codec);
-      }
-    }
+    options->comm_policy = policy;
   }
   torch::manual_seed(0);  // the same initial model for every variant and rank
   std::optional<hp::FSDPModule> root =
@@ -481,7 +505,8 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
                 o, setting.device(), sizes);
   if (root && has("nopf")) root->set_implicit_prefetch(false);
   if (kind == "comm") {
-    variant->comm_step = comm_only_step(*variant->module, setting.mesh, !has("keep"), has("gloo"));
+    variant->comm_step =
+        comm_only_step(*variant->module, setting.mesh, !has("keep"), has("gloo"), policy);
   }
   if (kind == "ddp") {
     variant->after_backward = ddp_all_reduce(variant->module->parameters(), setting.all());

@@ -133,7 +133,7 @@ TARGET_PREFIXES = {
     "netns": ("overlap efficiency",),
     "checkpoint": ("async save blocks",),
     "pipeline": ("1F1B peak activations", "interleaved step", "measured bubble"),
-    "codecs": ("quantized",),
+    "codecs": ("quantized", "comm_fusion overlap"),
 }
 
 
@@ -668,6 +668,18 @@ CODEC_ROWS = [
     ("hp:fp8ag+fp8rs", "fp8 all-gather + fp8 reduce-scatter"),
     ("hp:fusion", "full precision, comm_fusion"),
     ("hp:fusion+int8ag+int8rs", "int8 + int8, comm_fusion"),
+    ("hp:fusion+bucket", "full precision, comm_fusion in 128 KiB buckets"),
+    ("hp:fusion+bucket+int8ag+int8rs", "int8 + int8, comm_fusion in 128 KiB buckets"),
+]
+# Overlap of the codec runs: (variant, its communication-only variant, title).
+CODEC_OVERLAP_ROWS = [
+    ("hp", "comm", "full precision, per parameter"),
+    ("hp:fusion", "comm", "full precision, comm_fusion"),
+    ("hp:fusion+bucket", "comm", "full precision, comm_fusion in 128 KiB buckets"),
+    ("hp:int8ag+int8rs", "comm:int8ag+int8rs", "int8 + int8, per parameter"),
+    ("hp:fusion+int8ag+int8rs", "comm:int8ag+int8rs", "int8 + int8, comm_fusion"),
+    ("hp:fusion+bucket+int8ag+int8rs", "comm:int8ag+int8rs",
+     "int8 + int8, comm_fusion in 128 KiB buckets"),
 ]
 NODE_ROWS = [
     ("hp", "full precision, reshard_after_forward = true"),
@@ -712,6 +724,41 @@ def codec_table(rep, label, fsdp2=None, rows=CODEC_ROWS):
         if r.get("label") == label and r.get("variant") == "(run)":
             rep.p(f"| a run of {r.get('impl')} | failed: {r.get('error')} | | | |" + (" |" if fsdp2 else ""))
     rep.p()
+
+
+def codec_overlap(rep, label):
+    """Overlap efficiency of the bandwidth-limited codec runs (as in the netns section), each
+    against the communication-only run of its own bytes, with a target for comm_fusion."""
+    local = rep.find(label, "C++", "local")
+    t_comp = fwd_bwd(local)
+    rows = []
+    for variant, comm_variant, title in CODEC_OVERLAP_ROWS:
+        r, comm = rep.find(label, "C++", variant), rep.find(label, "C++", comm_variant)
+        t_comm = fwd_bwd(comm)
+        if not (ok(r) and t_comp and t_comm):
+            continue
+        eff = (t_comm + t_comp - fwd_bwd(r)) / min(t_comm, t_comp)
+        rows.append((variant, title, t_comm, fwd_bwd(r), eff))
+    if not rows:
+        return
+    p = rep.p
+    p(
+        "Overlap efficiency on the bandwidth-limited link, as in the netns section: (T_comm + "
+        f"T_compute - T) / min(T_comm, T_compute), T_compute = {fmt(t_comp)} ms (forward + "
+        "backward of `local`), T_comm that of the communication-only run of the variant's "
+        "own bytes (`comm`, or `comm:int8ag+int8rs`: the quantized collectives, quantizing "
+        "included, module by module with nothing to overlap):"
+    )
+    p()
+    p("| variant | T_comm ms | T ms | overlap efficiency |")
+    p("|---|---:|---:|---:|")
+    for variant, title, t_comm, t, eff in rows:
+        p(f"| {title} | {fmt(t_comm)} | {fmt(t)} | {fmt(eff, 2)} |")
+        if "fusion" in variant:
+            what = title.replace(", comm_fusion", "")
+            rep.target((f"comm_fusion overlap efficiency >= 0.85, bandwidth-limited, {what}",
+                        fmt(eff, 2), "met" if eff >= 0.85 else f"missed by {fmt(0.85 - eff, 2)}"))
+    p()
 
 
 def read_metrics(path):
@@ -793,6 +840,7 @@ def codecs_section(rep, args):
     else:
         p("The bandwidth-limited part did not run (BENCH_NETNS=0 or no network namespaces).")
         p()
+    codec_overlap(rep, netns)
     nodes = "codecs/nodes/d128L8/1x4"
     if any(r.get("label") == nodes for r in rep.results):
         local = rep.find(nodes, "C++", "local")
@@ -822,13 +870,14 @@ def codecs_section(rep, args):
             + "; ".join(f"{'fused' if 'fusion' in full else 'per parameter'}, int8 weights and "
                         f"gradients make the bandwidth-limited step {fmt(gain, 2)}x faster"
                         for full, _, gain in speedups)
-            + ". On loopback communication is memcpy on the cores that compute and quantizing "
-            "is more work on the same cores: "
+            + ". On loopback, where communication is memcpy on the cores that compute, the "
+            "codecs trade copies for quantizing on the same cores: "
             + "; ".join(f"{'fused' if 'fusion' in full else 'per parameter'} step x "
                         f"{fmt(cost, 2)}" for full, cost, _ in speedups)
-            + ". Turn them on when a step in full precision takes well over its compute alone "
-            "and the CPU is not what it waits for (multi-node jobs, commodity networks); "
-            "leave them off on one machine."
+            + " (per parameter, quantized parameters also travel one collective per module "
+            "instead of one per parameter). Turn them on when a step in full precision takes "
+            "well over its compute alone (multi-node jobs, commodity networks); on one machine "
+            "what they save is small, and they cost accuracy (below)."
         )
         p()
     int8 = rep.find(loopback, "C++", "hp:int8ag+int8rs")
@@ -882,7 +931,8 @@ def accuracy_section(rep, args, runs):
     p(
         "**Accuracy.** The demo's job (`make demo`'s corpus and defaults: 500 steps) on 4 "
         "ranks with a 1x4 mesh, so that every collective is quantized "
-        "(`train_decoder --mesh 1x4 --seed S [--ag-codec C --rs-codec C [--error-feedback]]`), "
+        "(`train_decoder --mesh 1x4 --seed S --eval-batches 32 [--ag-codec C --rs-codec C "
+        "[--error-feedback]]`), "
         f"once per seed ({', '.join(str(s) for s in seeds)}; `BENCH_ACCURACY_SEEDS`). The seed "
         "draws the initial weights and the order of the batches; validation uses the same "
         "batches in every run. Each cell is the final validation loss and, in parentheses, "
