@@ -688,7 +688,7 @@ NODE_ROWS = [
     ("hp:int8ag+int8rs+raf2", "int8 + int8, secondary partition"),
 ]
 CODECS = [("none", "fp32"), ("int8", "int8 + int8"), ("int8-ef", "int8 + int8, error feedback"),
-          ("fp8", "fp8 + fp8")]
+          ("fp8", "fp8 + fp8"), ("fp8-int8", "fp8 weights + int8 gradients")]
 
 
 def zero3_bytes(r):
@@ -782,7 +782,7 @@ def loss_curves_svg(runs, path):
     hi = max(l for _, l in points)
     x = lambda step: left + (width - left - right) * step / max_step  # noqa: E731
     y = lambda loss: top + (height - top - bottom) * (hi - loss) / (hi - lo)  # noqa: E731
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            'font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
@@ -977,7 +977,7 @@ def accuracy_section(rep, args, runs):
     if loss_curves_svg(named, svg):
         p(f"![training and validation loss with full-precision and quantized collectives, seed {seeds[0]}](codecs_loss.svg)")
         p()
-    for codec in ("int8", "int8-ef", "fp8"):
+    for codec in ("int8", "int8-ef", "fp8", "fp8-int8"):
         if codec in relative:
             rel = relative[codec]
             verdict = "met" if abs(rel) <= 0.01 else (

@@ -262,7 +262,8 @@ section_pipeline() {
 # parameter and fused, bytes sent per step counted (hp::wire_bytes); on loopback, then on
 # the bandwidth-limited link next to FSDP2. Then their accuracy: the demo's job (make
 # demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
-# quantized, in full precision, int8 (also with error feedback) and fp8, once per seed: a
+# quantized, in full precision, int8 (also with error feedback), fp8, and fp8 weights with
+# int8 gradients, once per seed: a
 # run's validation loss moves by a few percent with the seed alone, so the codecs are
 # judged on the mean; validated on 32 batches instead of the demo's 8, a larger fixed
 # sample (metrics under $OUT/codecs/<codec>-seed<seed>/). And the secondary partition (reshard_after_forward = 2) on 4 ranks
@@ -302,10 +303,11 @@ section_codecs() {
   fi
   local codec flags start rc seed dir
   for seed in $ACCURACY_SEEDS; do
-    for codec in none int8 int8-ef fp8; do
+    for codec in none int8 int8-ef fp8 fp8-int8; do
       case $codec in
         none) flags=() ;;
         int8-ef) flags=(--ag-codec int8 --rs-codec int8 --error-feedback) ;;
+        fp8-int8) flags=(--ag-codec fp8 --rs-codec int8) ;;
         *) flags=(--ag-codec "$codec" --rs-codec "$codec") ;;
       esac
       dir=$OUT/codecs/$codec-seed$seed
