@@ -23,7 +23,7 @@
 # beyond run (default 1280), BENCH_SAVES the timed saves of each kind in the checkpoint
 # run (default 5), BENCH_PIPELINE_FORWARD_MS a pipeline stage's forward per microbatch
 # (default 80), BENCH_ACCURACY_SEEDS the seeds of the codecs' accuracy runs (default
-# "0 1 2 3 4"), BENCH_REPORT (default docs/performance.md). Raw results:
+# "0 1 2 3 4 5 6 7 8 9"), BENCH_REPORT (default docs/performance.md). Raw results:
 # BUILD_DIR/bench/results/{SECTION.jsonl,log.txt}.
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
@@ -191,33 +191,45 @@ section_overhead() {
   done
 }
 
+# Runs "$@" with the bandwidth-limited link up (2 network namespaces at $RATE each) and
+# hp-run's store on the bridge's address, which every namespace reaches. Returns 1,
+# running nothing, where the namespaces cannot be made (see $OUT/log.txt).
+on_limited_link() {
+  if ! bench/netns.sh up 2 "$RATE" >>"$OUT/log.txt" 2>&1; then
+    bench/netns.sh down 2 >/dev/null 2>&1
+    return 1
+  fi
+  trap 'bench/netns.sh down 2' EXIT
+  HPRUN_OPTS=(--master-addr 10.231.0.254)
+  "$@"
+  HPRUN_OPTS=()
+  bench/netns.sh down 2
+  trap - EXIT
+}
+
+# The bandwidth-limited runs' model: 8 blocks and 4 sequences per rank, so that per-block
+# compute exceeds per-block communication at the link's rate, and the first all-gathers /
+# last reduce-scatters of a step (which nothing can hide) are a smaller part of it than
+# with 4 blocks.
+NETNS_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
+
+netns_runs() {
+  # shellcheck disable=SC2086
+  launch "netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $NETNS_MODEL \
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --trace "$OUT/trace" \
+    --variants local,comm,comm:keep,comm:keep+gloo,ddp,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep,hp:fusion+bucket,hp:fusion+keep+bucket
+  # shellcheck disable=SC2086
+  launch "netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2,fsdp2:prefetch
+  # The timeline of docs/performance.md: comm_fusion, rank 1.
+  cp "$OUT/trace/hp_fusion_rank1.svg" docs/timeline_bandwidth_limited.svg 2>/dev/null
+}
+
 section_netns() {
   [ "${BENCH_NETNS:-1}" != 0 ] || return 0
   echo "bench: bandwidth-limited ($RATE per rank, network namespaces + tbf)"
-  if bench/netns.sh up 2 "$RATE" >>"$OUT/log.txt" 2>&1; then
-    trap 'bench/netns.sh down 2' EXIT
-    # hp-run hosts the store on the bridge's address, which every namespace reaches.
-    HPRUN_OPTS=(--master-addr 10.231.0.254)
-    # 8 blocks and 4 sequences per rank: per-block compute exceeds per-block
-    # communication at this rate, and the first all-gathers / last reduce-scatters of a
-    # step (which nothing can hide) are a smaller part of it than with 4 blocks.
-    NETNS_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
-    # shellcheck disable=SC2086
-    launch "netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $NETNS_MODEL \
-      --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --trace "$OUT/trace" \
-      --variants local,comm,comm:keep,comm:keep+gloo,ddp,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep,hp:fusion+bucket,hp:fusion+keep+bucket
-    # shellcheck disable=SC2086
-    launch "netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
-      --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2,fsdp2:prefetch
-    # The timeline of docs/performance.md: comm_fusion, rank 1.
-    cp "$OUT/trace/hp_fusion_rank1.svg" docs/timeline_bandwidth_limited.svg 2>/dev/null
-    HPRUN_OPTS=()
-    bench/netns.sh down 2
-    trap - EXIT
-  else
-    bench/netns.sh down 2 >/dev/null 2>&1
+  on_limited_link netns_runs ||
     echo "  (skipped: could not create network namespaces; see $OUT/log.txt)"
-  fi
 }
 
 # How long a save blocks training (issue 28): the memory runs' d=512/L=16 model on 4
@@ -260,48 +272,48 @@ section_pipeline() {
 # Quantized collectives (hp::CommPolicy): the netns section's model on 2 ranks, full
 # precision against int8 / fp8 weight all-gathers and gradient reduce-scatters, per
 # parameter and fused, bytes sent per step counted (hp::wire_bytes); on loopback, then on
-# the bandwidth-limited link next to FSDP2. Then their accuracy: the demo's job (make
-# demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
+# the bandwidth-limited link next to FSDP2. And the secondary partition
+# (reshard_after_forward = 2) on 4 ranks in 2 "nodes" of 2 ranks, each node's egress
+# limited: the backward all-gathers stay in the node. Then their accuracy: the demo's job
+# (make demo's corpus, 500 steps) on 4 ranks with a 1x4 mesh, so that every collective is
 # quantized, in full precision, int8 (also with error feedback), fp8, and fp8 weights with
-# int8 gradients, once per seed: a
-# run's validation loss moves by a few percent with the seed alone, so the codecs are
-# judged on the mean; validated on 32 batches instead of the demo's 8, a larger fixed
-# sample (metrics under $OUT/codecs/<codec>-seed<seed>/). And the secondary partition (reshard_after_forward = 2) on 4 ranks
-# in 2 "nodes" of 2 ranks, each node's egress limited: the backward all-gathers stay in the
-# node.
+# int8 gradients, once per seed: a run's validation loss moves by a few percent with the
+# seed alone, so the codecs are judged on the mean; validated on the whole validation
+# split instead of the demo's 8 batches (metrics under $OUT/codecs/<codec>-seed<seed>/).
 CODEC_VARIANTS=local,comm,comm:int8ag+int8rs,hp,hp:int8ag,hp:int8ag+int8rs,hp:int8ag+int8rs+ef,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+bucket,hp:fusion+int8ag+int8rs,hp:fusion+bucket+int8ag+int8rs
 NODE_VARIANTS=local,hp,hp:raf2,hp:int8ag+int8rs,hp:int8ag+int8rs+raf2
-CODEC_MODEL="${SIZE[d128L8]} --vocab 1024 --seq 64 --batch 4"
-ACCURACY_SEEDS=${BENCH_ACCURACY_SEEDS:-0 1 2 3 4}
-DEMO_DATA="--data README.md --data docs --data src --data include --data models --data examples --data tests"
+ACCURACY_SEEDS=${BENCH_ACCURACY_SEEDS:-0 1 2 3 4 5 6 7 8 9}
+DEMO_FILES="README.md docs src include models examples tests" # make demo's corpus, in its order
+WHOLE_SPLIT=100000 # validation batches per rank: more than the split holds, so all of it
+
+codec_link_runs() {
+  # shellcheck disable=SC2086
+  launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $NETNS_MODEL \
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --variants "$CODEC_VARIANTS"
+  # shellcheck disable=SC2086
+  launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2
+  # shellcheck disable=SC2086
+  NETNS_RANKS_PER_NODE=2 launch "codecs/nodes/d128L8/1x4" 4 bench/netns.sh exec "$HP_BENCH" \
+    $NETNS_MODEL --mesh 1x4 --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count \
+    --variants "$NODE_VARIANTS"
+}
+
 section_codecs() {
   echo "bench: quantized collectives (2 ranks loopback and $RATE; accuracy on 4 ranks)"
   # shellcheck disable=SC2086
-  launch "codecs/loopback/d128L8/1x2" 2 "$HP_BENCH" $CODEC_MODEL --steps "$NETNS_STEPS" \
+  launch "codecs/loopback/d128L8/1x2" 2 "$HP_BENCH" $NETNS_MODEL --steps "$NETNS_STEPS" \
     --warmup "$WARMUP" --no-copy-count --variants "$CODEC_VARIANTS"
-  if [ "${BENCH_NETNS:-1}" != 0 ] && bench/netns.sh up 2 "$RATE" >>"$OUT/log.txt" 2>&1; then
-    trap 'bench/netns.sh down 2' EXIT
-    HPRUN_OPTS=(--master-addr 10.231.0.254)
-    # shellcheck disable=SC2086
-    launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $CODEC_MODEL \
-      --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --variants "$CODEC_VARIANTS"
-    # shellcheck disable=SC2086
-    launch "codecs/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $CODEC_MODEL \
-      --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2
-    export NETNS_RANKS_PER_NODE=2
-    # shellcheck disable=SC2086
-    launch "codecs/nodes/d128L8/1x4" 4 bench/netns.sh exec "$HP_BENCH" $CODEC_MODEL \
-      --mesh 1x4 --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count \
-      --variants "$NODE_VARIANTS"
-    unset NETNS_RANKS_PER_NODE
-    HPRUN_OPTS=()
-    bench/netns.sh down 2
-    trap - EXIT
-  else
-    bench/netns.sh down 2 >/dev/null 2>&1
+  if [ "${BENCH_NETNS:-1}" = 0 ] || ! on_limited_link codec_link_runs; then
     echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
   fi
-  local codec flags start rc seed dir
+  # Every accuracy run reads one copy of the corpus taken now: a run's loss moves with its
+  # corpus, and the tree may change while the bench runs.
+  local codec flags start rc seed dir path corpus=$OUT/codecs/corpus data=()
+  rm -rf "$corpus" && mkdir -p "$corpus" || return
+  # shellcheck disable=SC2086
+  cp -r $DEMO_FILES "$corpus/" || return
+  for path in $DEMO_FILES; do data+=(--data "$corpus/$path"); done
   for seed in $ACCURACY_SEEDS; do
     for codec in none int8 int8-ef fp8 fp8-int8; do
       case $codec in
@@ -314,9 +326,9 @@ section_codecs() {
       rm -rf "$dir"
       mkdir -p "$dir"
       start=$SECONDS
-      # shellcheck disable=SC2086
-      "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" $DEMO_DATA \
-        --mesh 1x4 --seed "$seed" --eval-batches 32 --out "$dir" "${flags[@]}" >"$dir/log.txt" 2>&1
+      "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" "${data[@]}" \
+        --mesh 1x4 --seed "$seed" --eval-batches "$WHOLE_SPLIT" --out "$dir" "${flags[@]}" \
+        >"$dir/log.txt" 2>&1
       rc=$?
       printf '{"label": "codecs/accuracy", "impl": "train_decoder", "variant": "%s", "seed": %d, "metrics": "%s", "seconds": %d, "error": %s}\n' \
         "$codec" "$seed" "$dir/metrics.jsonl" $((SECONDS - start)) \

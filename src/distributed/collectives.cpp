@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <utility>
 
+#include "collective_arguments.h"
 #include "tensor_storage.h"
 
 namespace hp {
@@ -36,34 +37,10 @@ void count_sent(WireCounter counter, int64_t bytes) {
 
 int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.nbytes()); }
 
-void require(bool condition, const std::string& message) {
-  if (!condition) C10_THROW_ERROR(ValueError, message);
-}
-
-void require_contiguous(const at::Tensor& tensor, const char* op, const char* what) {
-  require(tensor.defined(), std::string(op) + ": " + what + " is undefined");
-  require(tensor.is_contiguous(),
-          std::string(op) + ": " + what + " must be contiguous (call .contiguous())");
-}
-
-struct NamedTensor {
-  const at::Tensor& tensor;
-  const char* name;
-};
-
-// `whole` (contiguous) has group size x `part`'s elements, of `part`'s dtype: the two
-// sides of an all-gather or a reduce-scatter.
-void require_group_multiple(const char* op, NamedTensor whole, NamedTensor part, const Group& group,
-                            const std::string& hint) {
-  require_contiguous(whole.tensor, op, whole.name);
-  require_contiguous(part.tensor, op, part.name);
-  require(whole.tensor.numel() == part.tensor.numel() * group.size() &&
-              whole.tensor.scalar_type() == part.tensor.scalar_type(),
-          std::string(op) + ": " + whole.name + " must have group size (" +
-              std::to_string(group.size()) + ") x " + part.name + " numel (" +
-              std::to_string(part.tensor.numel()) + ") elements of the " + part.name + "'s dtype" +
-              hint + "; got " + std::to_string(whole.tensor.numel()));
-}
+using detail::NamedTensor;
+using detail::require;
+using detail::require_contiguous;
+using detail::require_group_multiple;
 
 // Gloo's AVG throws in all-reduce and silently sums in reduce-scatter, so averages are
 // computed as SUM followed by a division when the result is consumed.

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "collective_arguments.h"
+
 namespace hp {
 namespace {
 
@@ -35,23 +37,18 @@ void require_codec(const char* op, CommCodec codec, int64_t block_size) {
   TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
 }
 
-void require_parts(const char* op, const std::vector<at::Tensor>& wholes,
-                   const std::vector<at::Tensor>& parts, const Group& group) {
+// Pairs of (whole, part) tensors, one pair per tensor of a coalesced call: of one
+// floating-point dtype each, the whole side group size x the part's elements.
+void require_parts(const char* op, const std::vector<at::Tensor>& wholes, const char* whole_name,
+                   const std::vector<at::Tensor>& parts, const char* part_name,
+                   const Group& group) {
   TORCH_CHECK_VALUE(!parts.empty() && wholes.size() == parts.size(), op,
                     ": needs as many outputs as inputs, at least one, got ", wholes.size(), " and ",
                     parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& whole = wholes[i];
-    const at::Tensor& part = parts[i];
-    TORCH_CHECK_VALUE(whole.is_contiguous() && part.is_contiguous(), op,
-                      ": input and output must be contiguous (call .contiguous())");
-    TORCH_CHECK_VALUE(
-        at::isFloatingType(part.scalar_type()) && whole.scalar_type() == part.scalar_type(), op,
-        ": input and output must have one floating-point dtype, got ", whole.scalar_type(), " and ",
-        part.scalar_type());
-    TORCH_CHECK_VALUE(whole.numel() == part.numel() * group.size(), op,
-                      ": the whole side must have group size (", group.size(), ") x ", part.numel(),
-                      " elements, got ", whole.numel());
+    TORCH_CHECK_VALUE(at::isFloatingType(parts[i].scalar_type()), op,
+                      ": quantizes floating-point tensors only, got ", parts[i].scalar_type());
+    detail::require_group_multiple(op, {wholes[i], whole_name}, {parts[i], part_name}, group, "");
   }
 }
 
@@ -81,7 +78,7 @@ CommHandle quantized_all_gather_coalesced(std::vector<at::Tensor> outputs,
                                           const std::vector<at::Tensor>& inputs, const Group& group,
                                           CommCodec codec, int64_t block_size) {
   require_codec("quantized_all_gather", codec, block_size);
-  require_parts("quantized_all_gather", outputs, inputs, group);
+  require_parts("quantized_all_gather", outputs, "output", inputs, "input", group);
   if (!group.communicates()) {
     std::vector<CommHandle> copies;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -122,7 +119,7 @@ CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
                                               int64_t block_size,
                                               const std::vector<at::Tensor>& residuals) {
   require_codec("quantized_reduce_scatter", codec, block_size);
-  require_parts("quantized_reduce_scatter", inputs, outputs, group);
+  require_parts("quantized_reduce_scatter", inputs, "input", outputs, "output", group);
   TORCH_CHECK_VALUE(op == ReduceOp::kSum || op == ReduceOp::kAvg,
                     "quantized_reduce_scatter: reduce op ", to_string(op),
                     " is not a sum; only sum and avg are quantized");

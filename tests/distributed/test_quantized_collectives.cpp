@@ -203,7 +203,7 @@ HP_DIST_TEST(QuantizedCollectives, BadArgumentsAreNamed, 2) {
   at::Tensor out = torch::empty({8});
   EXPECT_NE(error_of([&] {
               quantized_all_gather(out, torch::ones({3}), group, CommCodec::kInt8, kBlock);
-            }).find("group size (2) x 3"),
+            }).find("output must have group size (2) x input numel (3)"),
             std::string::npos);
   EXPECT_NE(error_of([&] {
               quantized_reduce_scatter(torch::empty({4}), torch::ones({8}), ReduceOp::kMax, group,
