@@ -58,6 +58,7 @@ struct FullyShardOptions {
   std::vector<at::Tensor> ignored_params;
   // Kept whole on every rank; gradients all-reduced over the data-parallel ranks. The same
   // as shard_placement_fn returning Replicate() for them (and it wins over the function).
+  // mp_policy holds for them as for sharded parameters; comm_policy does not.
   std::vector<at::Tensor> replicate_params;
   // One all-gather / reduce-scatter per module (with copy-in / copy-out) instead of
   // one per parameter.

@@ -244,7 +244,7 @@ ManagedParams managed_params(const std::vector<ModulePtr>& modules,
     if (skipped.count(key(param)) || !seen.insert(key(param)).second) continue;
     const Placement placement = placement_of(name, param, replicated.count(key(param)), options);
     if (placement.is_replicate()) {
-      managed.replicated.push_back(ReplicatedParam{name, param, {}, {}});
+      managed.replicated.emplace_back(name, param, policy);
     } else {
       managed.sharded.push_back(std::make_unique<FSDPParam>(
           name, param, placement.dim(), mesh_info.shard->size(), mesh_info.shard->rank(), policy));

@@ -120,7 +120,7 @@ at::Tensor FSDPModule::full_tensor(const std::string& name) const {
                                                         *state_->param_group().mesh_info().shard));
   }
   for (const auto& r : state_->param_group().replicated()) {
-    if (r.name == name) return whole_of(r.variable, r.variable.detach().clone());
+    if (r.name == name) return whole_of(r.variable, r.data().detach().clone());
   }
   C10_THROW_ERROR(ValueError,
                   "no parameter '" + name +
@@ -152,8 +152,11 @@ at::Tensor FSDPModule::full_grad(const std::string& name) const {
 
 at::Tensor FSDPModule::main_grad(const std::string& name) const {
   if (const detail::FSDPParam* p = find_sharded(*state_, name)) return p->main_grad();
+  for (const auto& r : state_->param_group().replicated()) {
+    if (r.name == name) return r.fp32_main_grad ? r.variable.grad() : at::Tensor();
+  }
   C10_THROW_ERROR(ValueError,
-                  "no sharded parameter '" + name +
+                  "no parameter '" + name +
                       "' in this fully_shard-ed module (it has: " + known_names(*state_) + ")");
 }
 

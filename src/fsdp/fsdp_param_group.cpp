@@ -23,6 +23,15 @@ CommHandle divided_when_done(CommHandle handle, at::Tensor result, double factor
 
 }  // namespace
 
+ReplicatedParam::ReplicatedParam(std::string name, at::Tensor variable, const ParamPolicy& policy)
+    : name(std::move(name)),
+      variable(std::move(variable)),
+      compute_dtype(this->variable.scalar_type()),
+      reduce_dtype(policy.reduce_dtype),
+      fp32_main_grad(policy.fp32_main_grad) {
+  if (policy.param_dtype && at::isFloatingType(compute_dtype)) compute_dtype = *policy.param_dtype;
+}
+
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
                                std::vector<ReplicatedParam> replicated, FSDPMeshInfo mesh_info,
                                CommFusion comm_fusion, CommPolicy comm_policy)
@@ -160,10 +169,19 @@ CommHandle FSDPParamGroup::issue_all_gather() {
 
 void FSDPParamGroup::install_unsharded() {
   for (auto& p : params_) p->install_unsharded();
+  for (auto& rp : replicated_) {
+    if (rp.compute_dtype == rp.variable.scalar_type() || rp.own_data.defined()) continue;
+    c10::NoGradGuard no_grad;
+    rp.own_data = rp.variable.data();
+    rp.variable.set_data(rp.own_data.to(rp.compute_dtype));
+  }
   state_ = State::kUnsharded;
 }
 
 void FSDPParamGroup::install_sharded() {
+  for (auto& rp : replicated_) {
+    if (rp.own_data.defined()) rp.variable.set_data(std::exchange(rp.own_data, at::Tensor()));
+  }
   std::vector<at::DataPtr> memory;
   for (auto& p : params_) memory.push_back(p->install_sharded());
   // Without communication the storage came from the compute stream: freed now.
@@ -185,6 +203,7 @@ void FSDPParamGroup::start_replicated_reduce(const ReduceSettings& settings) {
     at::Tensor grad = rp.variable.grad();
     rp.variable.mutable_grad() = rp.reduced_grad;
     if (!grad.defined() || !rp.variable.requires_grad()) continue;
+    grad = grad.to(rp.reduce_dtype.value_or(grad.scalar_type()));
     if (rp.unsynced_grad.defined()) {
       grad = rp.unsynced_grad.add_(grad);
       rp.unsynced_grad = at::Tensor();
@@ -370,7 +389,8 @@ void FSDPParamGroup::finish_reduce() {
   PendingReduce r = std::move(pending);
   pending_.reset();
   install_sharded_grads(r);
-  for (auto& [rp, grad] : r.replicated) {
+  for (auto& [rp, all_reduced] : r.replicated) {
+    const at::Tensor grad = all_reduced.to(rp->grad_dtype());
     rp->reduced_grad = rp->reduced_grad.defined() ? rp->reduced_grad.add_(grad) : grad;
     rp->variable.mutable_grad() = rp->reduced_grad;
   }

@@ -35,12 +35,25 @@ struct FSDPMeshInfo {
 };
 
 // A parameter that every rank holds in full (replicate_params, or Replicate() from
-// shard_placement_fn); its gradient is all-reduced over the data-parallel ranks.
+// shard_placement_fn); its gradient is all-reduced over the data-parallel ranks. The
+// mixed-precision policy holds for it as for a sharded one: while the group is unsharded
+// the variable holds a copy in compute_dtype, and the gradient is all-reduced in
+// reduce_dtype (unset: the computed gradient's), then kept in grad_dtype().
 struct ReplicatedParam {
+  ReplicatedParam(std::string name, at::Tensor variable, const ParamPolicy& policy);
+  // The parameter's own data, also while the variable holds the compute copy.
+  const at::Tensor& data() const { return own_data.defined() ? own_data : variable; }
+  // Its own dtype; fp32 with apply_grad_on_fp32_main_grad (the gradient is the main grad).
+  c10::ScalarType grad_dtype() const { return fp32_main_grad ? at::kFloat : data().scalar_type(); }
+
   std::string name;
   at::Tensor variable;
+  c10::ScalarType compute_dtype;  // param_dtype for floating-point parameters, else its own
+  std::optional<c10::ScalarType> reduce_dtype;
+  bool fp32_main_grad;
+  at::Tensor own_data;       // set while the variable holds the compute copy
   at::Tensor reduced_grad;   // what earlier backwards already reduced
-  at::Tensor unsynced_grad;  // accumulated with gradient sync off
+  at::Tensor unsynced_grad;  // accumulated with gradient sync off, in the reduce dtype
 };
 
 struct ReduceSettings {

@@ -3,7 +3,7 @@
 // single-process run of the same model (built from the same seed):
 //   ignored_params, shard_placement_fn (Shard(1) / Replicate()), comm_fusion, and the
 //   mixed-precision policy (bf16 params + fp32 reduce, all bf16, cast_forward_inputs,
-//   fp32 main grads).
+//   fp32 main grads; on sharded and on replicated parameters).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -347,7 +347,10 @@ HP_DIST_TEST(FullyShardPrecision, L1_08_CommFusionNumericalEquivalence, 2) {
 
 // --- L1_10 -------------------------------------------------------------------------
 
-HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
+// bf16 compute with an fp32 reduce; `replicate` set: the blocks' fc1.weight
+// (shard_placement_fn) and the root's input.weight (replicate_params) are replicated,
+// and the policy must hold for them as for the sharded ones.
+void run_bf16_param_fp32_reduce(bool replicate) {
   const int64_t ranks = testing::world()->size();
   auto [reference, model] = testing::build_from_seed<RecordingMlp>(42);
   reference->to(at::kBFloat16);
@@ -359,9 +362,21 @@ HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
   // the root's own bf16 head (the root's cast_forward_inputs covers only its input).
   FullyShardOptions root_options = block_options;
   root_options.mp_policy.output_dtype = at::kFloat;
+  if (replicate) {
+    block_options.shard_placement_fn = [](const std::string& name, const at::Tensor&) {
+      return name == "fc1.weight" ? std::optional<Placement>(Placement::replicate()) : std::nullopt;
+    };
+    root_options.replicate_params = {model->input->weight};
+  }
   testing::ShardedParts parts = shard_model(model, block_options, root_options);
+  if (replicate) {
+    for (auto& block : model->blocks) {
+      for (const ShardedParamInfo& info : block.fsdp().sharded_params()) {
+        EXPECT_EQ(info.placement.is_replicate(), info.name == "fc1.weight") << info.name;
+      }
+    }
+  }
   const Bf16Step step = bf16_backward(reference, model, /*output_dtype=*/at::kFloat);
-
   // Inside forward every module computed with bf16 weights on bf16 inputs.
   std::vector<c10::ScalarType> weights = model->weight_dtypes, inputs = model->input_dtypes;
   for (auto& block : model->blocks) {
@@ -394,6 +409,14 @@ HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
   testing::expect_all_close(
       grads, mean_of_local_fp32_grads(per_rank, step.x, step.y, ranks, at::kBFloat16), kTol,
       "grad vs per-rank bf16 reference");
+}
+
+HP_DIST_TEST(FullyShardPrecision, L1_10_MpBf16ParamFp32Reduce, 2) {
+  run_bf16_param_fp32_reduce(/*replicate=*/false);
+}
+
+HP_DIST_TEST(FullyShardPrecision, MpPolicyHoldsForReplicatedParams, 2) {
+  run_bf16_param_fp32_reduce(/*replicate=*/true);
 }
 
 // --- L1_11 -------------------------------------------------------------------------
@@ -483,7 +506,9 @@ HP_DIST_TEST(FullyShardPrecision, L1_12_MpCastForwardInputsFalse, 2) {
 
 // --- L1_13 -------------------------------------------------------------------------
 
-HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
+// `replicate`: the blocks' fc1.weight replicated (shard_placement_fn); the main grad must
+// hold for them as for the sharded ones.
+void run_fp32_main_grad(bool replicate) {
   auto world = testing::world();
   const int64_t ranks = world->size(), rank = world->rank();
   auto [reference, model] = testing::build_from_seed<Mlp>(42, kIn, kDim, kHidden, kOut, kBlocks);
@@ -494,6 +519,11 @@ HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
   options.mp_policy.param_dtype = at::kHalf;
   options.mp_policy.reduce_dtype = at::kFloat;
   options.mp_policy.apply_grad_on_fp32_main_grad = true;
+  if (replicate) {
+    options.shard_placement_fn = [](const std::string& name, const at::Tensor&) {
+      return name == "fc1.weight" ? std::optional<Placement>(Placement::replicate()) : std::nullopt;
+    };
+  }
   testing::ShardedParts parts = shard_model(model, options, options);
 
   torch::manual_seed(7);
@@ -550,6 +580,14 @@ HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
       EXPECT_FALSE(module.main_grad(info.name).defined()) << prefix + info.name;
     }
   }
+}
+
+HP_DIST_TEST(FullyShardPrecision, L1_13_MpApplyGradOnFp32MainGrad, 2) {
+  run_fp32_main_grad(/*replicate=*/false);
+}
+
+HP_DIST_TEST(FullyShardPrecision, Fp32MainGradHoldsForReplicatedParams, 2) {
+  run_fp32_main_grad(/*replicate=*/true);
 }
 
 // --- fp16 gradient reduction --------------------------------------------------------
