@@ -13,6 +13,7 @@ hp_run=$1 program=$2 source_dir=$3
 python_side=$source_dir/tests/python/dcp_interop.py
 work=$(mktemp -d "${TMPDIR:-/tmp}/hp_dcp_interop.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+export PYTHONFAULTHANDLER=1  # a Python rank that aborts prints where it was
 
 step() {
   echo "=== $*"

@@ -73,6 +73,14 @@ def start():
     return dist.get_rank(), world, init_device_mesh("cpu", (world,))
 
 
+def finish(mesh):
+    """Leaves the process group together: no rank closes its Gloo connections while a peer
+    is still busy on its side of the last collective."""
+    if mesh is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard(model, mesh):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -129,8 +137,7 @@ def read(directory):
     with torch.no_grad():
         loss = batch_loss(model, others["extra/tokens"]).item()
     check_loss(loss, others["extra/loss"].item(), what)
-    if mesh is not None:
-        dist.destroy_process_group()
+    finish(mesh)
 
 
 def trained_model():
@@ -179,8 +186,7 @@ def write(directory, mode):
         torch.save(reference, directory.rstrip("/") + "-reference.pt")
         saved = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         print(f"wrote {directory} ({mode}, {world} process(es)): {', '.join(saved)}")
-    if mesh is not None:
-        dist.destroy_process_group()
+    finish(mesh)
 
 
 def main():
