@@ -877,7 +877,7 @@ def codecs_section(rep, args):
             + " (per parameter, quantized parameters also travel one collective per module "
             "instead of one per parameter). Turn them on when a step in full precision takes "
             "well over its compute alone (multi-node jobs, commodity networks); on one machine "
-            "what they save is small, and they cost accuracy (below)."
+            "what they save is small, and what they cost in accuracy is measured below."
         )
         p()
     int8 = rep.find(loopback, "C++", "hp:int8ag+int8rs")
