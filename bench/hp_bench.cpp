@@ -17,7 +17,8 @@
 //                  all-reduce of the whole input), as FSDP2 on Gloo runs it.
 //                  comm:int8ag+int8rs (or fp8): the quantized collectives of `hp` with
 //                  those codecs (a module's parameters in one collective, random values,
-//                  so that quantizing costs what it does in training).
+//                  so that quantizing costs what it does in training). comm:fusion: full
+//                  precision, a module's parameters in one collective, as comm_fusion.
 //   hp[:flags]     fully_shard on every block and the root; flags (joined by "+"):
 //                    fusion   options.comm_fusion = true
 //                    bucket   with fusion: options.comm_fusion_bucket_bytes = 128 KiB
@@ -247,7 +248,7 @@ double rounded(double v) { return std::round(v * 1000.0) / 1000.0; }
 std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
                                                       const hp::DeviceMesh& mesh,
                                                       bool reshard_after_forward,
-                                                      bool gloo_reduce_scatter,
+                                                      bool gloo_reduce_scatter, bool fused,
                                                       const hp::CommPolicy& policy) {
   std::vector<std::vector<at::Tensor>> modules(1);  // [0]: the root's own parameters
   std::shared_ptr<torch::nn::Module> layers;
@@ -277,8 +278,18 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
       shard->communicates() && policy.all_gather_codec != hp::CommCodec::kNone;
   const bool quantized_reduce =
       shard->communicates() && policy.reduce_scatter_codec != hp::CommCodec::kNone;
-  auto gather = [shard, w, shard_numel, quantized = quantized_gather,
+  auto module_numel = [shard_numel](const std::vector<at::Tensor>& params) {
+    int64_t total = 0;
+    for (const auto& p : params) total += shard_numel(p);
+    return total;
+  };
+  auto gather = [shard, w, shard_numel, module_numel, fused, quantized = quantized_gather,
                  policy](const std::vector<at::Tensor>& params) {
+    if (fused && !quantized) {
+      const int64_t total = module_numel(params);
+      hp::all_gather(torch::empty({w * total}), torch::zeros({total}), *shard).wait();
+      return;
+    }
     std::vector<hp::CommHandle> handles;
     std::vector<at::Tensor> inputs, outputs;
     for (const auto& p : params) {
@@ -287,9 +298,8 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
       if (!quantized) handles.push_back(hp::all_gather(outputs.back(), inputs.back(), *shard));
     }
     if (quantized) {
-      handles.push_back(hp::quantized_all_gather_coalesced(outputs, inputs, *shard,
-                                                           policy.all_gather_codec,
-                                                           policy.block_size));
+      handles.push_back(hp::quantized_all_gather_coalesced(
+          outputs, inputs, *shard, policy.all_gather_codec, policy.block_size));
     }
     for (auto& h : handles) h.wait();
   };
@@ -300,25 +310,26 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     return hp::CommHandle::from_work(
         shard->backend(c10::DeviceType::CPU)._reduce_scatter_base(out, in, {}));
   };
-  auto reduce = [reduce_scatter, replicate, w, shard_numel, shard, quantized = quantized_reduce,
-                 policy](const std::vector<at::Tensor>& params) {
+  auto reduce = [reduce_scatter, replicate, w, shard_numel, module_numel, shard, fused,
+                 quantized = quantized_reduce, policy](const std::vector<at::Tensor>& params) {
     std::vector<hp::CommHandle> handles;
     std::vector<at::Tensor> inputs, outputs;
-    int64_t total = 0;
-    for (const auto& p : params) total += shard_numel(p);
+    const int64_t total = module_numel(params);
     at::Tensor buffer = torch::zeros({total});
     int64_t offset = 0;
-    for (const auto& p : params) {
+    for (const auto& p : fused && !quantized ? std::vector<at::Tensor>{} : params) {
       inputs.push_back(quantized ? torch::randn({w * shard_numel(p)})
                                  : torch::ones({w * shard_numel(p)}));
       outputs.push_back(buffer.narrow(0, offset, shard_numel(p)));
       if (!quantized) handles.push_back(reduce_scatter(outputs.back(), inputs.back()));
       offset += shard_numel(p);
     }
-    if (quantized) {
-      handles.push_back(hp::quantized_reduce_scatter_coalesced(
-          outputs, inputs, hp::ReduceOp::kSum, *shard, policy.reduce_scatter_codec,
-          policy.block_size));
+    if (fused && !quantized) {
+      handles.push_back(reduce_scatter(buffer, torch::ones({w * total})));
+    } else if (quantized) {
+      handles.push_back(hp::quantized_reduce_scatter_coalesced(outputs, inputs, hp::ReduceOp::kSum,
+                                                               *shard, policy.reduce_scatter_codec,
+                                                               policy.block_size));
     }
     for (auto& h : handles) h.wait();
     if (replicate && replicate->size() > 1) {
@@ -478,7 +489,8 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
   hp::CommPolicy policy;
   policy.error_feedback = has("ef");
   for (const char* codec : {"int8", "fp8"}) {
-    if (has((std::string(codec) + "ag").c_str())) policy.all_gather_codec = hp::parse_comm_codec(codec);
+    if (has((std::string(codec) + "ag").c_str()))
+      policy.all_gather_codec = hp::parse_comm_codec(codec);
     if (has((std::string(codec) + "rs").c_str())) {
       policy.reduce_scatter_codec = hp::parse_comm_codec(codec);
     }
@@ -505,8 +517,8 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
                 o, setting.device(), sizes);
   if (root && has("nopf")) root->set_implicit_prefetch(false);
   if (kind == "comm") {
-    variant->comm_step =
-        comm_only_step(*variant->module, setting.mesh, !has("keep"), has("gloo"), policy);
+    variant->comm_step = comm_only_step(*variant->module, setting.mesh, !has("keep"), has("gloo"),
+                                        has("fusion"), policy);
   }
   if (kind == "ddp") {
     variant->after_backward = ddp_all_reduce(variant->module->parameters(), setting.all());

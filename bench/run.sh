@@ -280,7 +280,7 @@ section_pipeline() {
 # int8 gradients, once per seed: a run's validation loss moves by a few percent with the
 # seed alone, so the codecs are judged on the mean; validated on the whole validation
 # split instead of the demo's 8 batches (metrics under $OUT/codecs/<codec>-seed<seed>/).
-CODEC_VARIANTS=local,comm,comm:int8ag+int8rs,hp,hp:int8ag,hp:int8ag+int8rs,hp:int8ag+int8rs+ef,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+bucket,hp:fusion+int8ag+int8rs,hp:fusion+bucket+int8ag+int8rs
+CODEC_VARIANTS=local,comm,comm:fusion,comm:int8ag+int8rs,hp,hp:int8ag,hp:int8ag+int8rs,hp:int8ag+int8rs+ef,hp:fp8ag+fp8rs,hp:fusion,hp:fusion+bucket,hp:fusion+int8ag+int8rs,hp:fusion+bucket+int8ag+int8rs
 NODE_VARIANTS=local,hp,hp:raf2,hp:int8ag+int8rs,hp:int8ag+int8rs+raf2
 ACCURACY_SEEDS=${BENCH_ACCURACY_SEEDS:-0 1 2 3 4 5 6 7 8 9}
 DEMO_FILES="README.md docs src include models examples tests" # make demo's corpus, in its order
