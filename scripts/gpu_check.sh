@@ -108,6 +108,17 @@ for variant in "--probe" "--fusion --replicate" "--keep --recompute --mp bf16" "
     --width 1024 --steps 20 $variant || failed "stream_check $variant differs between modes (above)"
 done
 
+# The codecs quantize and dequantize on the lanes. They quantize only where something
+# travels, so these modes all keep one-rank groups communicating.
+step "stream check with quantized collectives: every mode bitwise equal"
+for variant in "--codec int8 --error-feedback" "--codec fp8 --fusion --error-feedback" \
+  "--codec int8 --fusion --mp bf16 --keep --replicate"; do
+  echo "-- stream_check $variant"
+  # shellcheck disable=SC2086  # the variant is a list of options
+  tests/fsdp/same_output.sh "${modes[@]:0:4}" -- "${hp_run[@]}" "$build/tests/stream_check" \
+    --width 1024 --steps 20 $variant || failed "stream_check $variant differs between modes (above)"
+done
+
 # With every lane and compute event sleeping 20 ms, a forward that only issues work
 # returns in well under 20 ms of host time; one that blocked on the device would not.
 # In a steady loop the device memory allocated and reserved stay the same.

@@ -26,9 +26,11 @@ QuantizedBlocks unpack(const at::Tensor& rows, int64_t offset, int64_t n, int64_
   const c10::ScalarType code_type = codec == CommCodec::kInt8 ? at::kChar : at::kFloat8_e4m3fn;
   const int64_t scale_bytes = quantized_row_bytes(n, block_size) - n;
   // The codes stay where they are (one byte each: a view); the scales are copied out to
-  // be aligned floats.
-  return {rows.narrow(1, offset, n).view(code_type),
-          rows.narrow(1, offset + n, scale_bytes).contiguous().view(at::kFloat)};
+  // be aligned floats (always copied: a single row's narrow is already contiguous, at an
+  // offset and row stride that floats cannot view).
+  return {
+      rows.narrow(1, offset, n).view(code_type),
+      rows.narrow(1, offset + n, scale_bytes).clone(at::MemoryFormat::Contiguous).view(at::kFloat)};
 }
 
 void require_codec(const char* op, CommCodec codec, int64_t block_size) {

@@ -8,6 +8,10 @@
 //
 // --probe runs one block on its own after each optimizer step, behind a slow optimizer
 // (a device sleep queued before the step): its all-gather must read the updated shards.
+// --codec int8|fp8 quantizes the all-gathers and reduce-scatters (comm_codec.h: on the
+// GPU by tensor operations on the lanes), --error-feedback keeps their residuals; the
+// codecs quantize only where something travels, so compare such runs with one-rank groups
+// communicating in every mode.
 // --report prints to stderr (it differs between modes) the longest host time of a
 // forward after the first two steps, and the device memory allocated and reserved after
 // step 10 and after the last step: with lanes sleeping, a forward that only issues work
@@ -15,6 +19,7 @@
 //
 //   hp-run -n 1 -- build/tests/stream_check [--steps N] [--mp none|bf16|fp16]
 //       [--fusion] [--replicate] [--keep] [--recompute] [--probe] [--report]
+//       [--codec none|int8|fp8] [--error-feedback]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -28,6 +33,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "hyperparallel/comm_codec.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/recompute.h"
@@ -45,6 +51,8 @@ struct Options {
   bool recompute = false;
   bool probe = false;
   bool report = false;
+  hp::CommCodec codec = hp::CommCodec::kNone;
+  bool error_feedback = false;
 };
 
 struct BlockImpl : torch::nn::Module {
@@ -107,6 +115,10 @@ Options parse(int argc, char** argv) {
       options.probe = true;
     else if (arg == "--report")
       options.report = true;
+    else if (arg == "--codec")
+      options.codec = hp::parse_comm_codec(value());
+    else if (arg == "--error-feedback")
+      options.error_feedback = true;
     else
       TORCH_CHECK_VALUE(false, "unknown option ", arg);
   }
@@ -147,6 +159,9 @@ int run(const Options& options) {
   hp::FullyShardOptions shard;
   shard.comm_fusion = options.fusion;
   if (options.keep) shard.reshard_after_forward = false;
+  shard.comm_policy.all_gather_codec = options.codec;
+  shard.comm_policy.reduce_scatter_codec = options.codec;
+  shard.comm_policy.error_feedback = options.error_feedback;
   if (options.mp != "none") {
     shard.mp_policy.param_dtype = options.mp == "bf16" ? at::kBFloat16 : at::kHalf;
     shard.mp_policy.reduce_dtype = at::kFloat;
