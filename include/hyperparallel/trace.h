@@ -29,8 +29,10 @@ struct Event {
   std::string op;
   std::string module;  // the fully_shard-ed module ("root", "layers.0", ...)
   double time_us;      // since start(), on the traced device's clock
-  // kIssue of a collective: the bytes this rank sends in it (hp::wire_bytes()), set by
-  // record_bytes once it is issued; 0 when not known.
+  // kIssue of a collective: the bytes this rank sends in it, counted as hp::wire_bytes()
+  // counts them but for the issuing thread only (another thread's traffic at the same
+  // time, an asynchronous checkpoint's, is not in it); set by record_bytes once it is
+  // issued; 0 when not known.
   int64_t bytes = 0;
 };
 

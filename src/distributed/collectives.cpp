@@ -15,6 +15,7 @@
 
 #include "collective_arguments.h"
 #include "tensor_storage.h"
+#include "thread_wire_bytes.h"
 
 namespace hp {
 namespace {
@@ -30,9 +31,11 @@ enum WireCounter {
   kCounters
 };
 std::array<std::atomic<int64_t>, kCounters> wire_counters{};
+thread_local int64_t sent_by_this_thread = 0;
 
 void count_sent(WireCounter counter, int64_t bytes) {
   wire_counters[counter].fetch_add(bytes, std::memory_order_relaxed);
+  sent_by_this_thread += bytes;
 }
 
 int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.nbytes()); }
@@ -341,5 +344,7 @@ WireBytes wire_bytes() {
 void reset_wire_bytes() {
   for (auto& counter : wire_counters) counter.store(0, std::memory_order_relaxed);
 }
+
+int64_t detail::wire_bytes_sent_by_this_thread() { return sent_by_this_thread; }
 
 }  // namespace hp

@@ -6,6 +6,7 @@
 #include <exception>
 #include <utility>
 
+#include "../distributed/thread_wire_bytes.h"
 #include "fsdp_collectives.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/trace.h"
@@ -144,7 +145,7 @@ CommHandle FSDPParamGroup::issue_all_gather() {
       streams_->enter(Lane::kAllGather, /*after_compute=*/!post_forward_parts_.empty());
   // With the lane current: on a GPU the issue is timed where the lane starts it.
   trace::record(trace::Kind::kIssue, "all_gather", label_);
-  const int64_t sent_before = wire_bytes().total();
+  const int64_t sent_before = detail::wire_bytes_sent_by_this_thread();
   std::vector<CommBuffer> inputs;
   const Group* group = mesh_info_.shard.get();
   if (!post_forward_parts_.empty()) {
@@ -158,7 +159,7 @@ CommHandle FSDPParamGroup::issue_all_gather() {
   auto result = std::make_shared<AllGatherResult>(all_gather_params(
       params, inputs, *group, group == mesh_info_.shard.get() ? comm_fusion_ : CommFusion{},
       comm_policy_));
-  trace::record_bytes("all_gather", label_, wire_bytes().total() - sent_before);
+  trace::record_bytes("all_gather", label_, detail::wire_bytes_sent_by_this_thread() - sent_before);
   result->handle = streams_->complete_on_lane(Lane::kAllGather, std::move(result->handle));
   return CommHandle::after({result->handle}, [this, params, result] {
     if (state_ != State::kPending) return;
@@ -268,7 +269,7 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   // The gradients come from compute; copy-in, padding and the collectives run on the lane.
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
-  const int64_t sent_before = wire_bytes().total();
+  const int64_t sent_before = detail::wire_bytes_sent_by_this_thread();
   const auto residual_of = [this](const FSDPParam& param, c10::Device device) {
     at::Tensor& residual = residuals_[&param];
     if (!residual.defined()) {
@@ -281,7 +282,8 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
                                    divide.before, comm_fusion_, comm_policy_, residual_of,
                                    /*keep_grads=*/streams_->active(), stats_);
-  trace::record_bytes("reduce_scatter", label_, wire_bytes().total() - sent_before);
+  trace::record_bytes("reduce_scatter", label_,
+                      detail::wire_bytes_sent_by_this_thread() - sent_before);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
   // same scale as complete ones. On a GPU the division runs on the lane too.
   r.scatter.handle = streams_->complete_on_lane(
@@ -351,10 +353,11 @@ void FSDPParamGroup::start_all_reduce() {
     // After compute, which added the partial gradients (and waited for the reduce-scatter).
     c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kAllReduce, /*after_compute=*/true);
     trace::record(trace::Kind::kIssue, "all_reduce", label_);
-    const int64_t sent_before = wire_bytes().total();
+    const int64_t sent_before = detail::wire_bytes_sent_by_this_thread();
     r.all_reduce = streams_->complete_on_lane(
         Lane::kAllReduce, all_reduce(r.scatter.buffer, ReduceOp::kSum, *mesh_info_.replicate));
-    trace::record_bytes("all_reduce", label_, wire_bytes().total() - sent_before);
+    trace::record_bytes("all_reduce", label_,
+                        detail::wire_bytes_sent_by_this_thread() - sent_before);
   } catch (...) {
     discard_reduce();
     throw;

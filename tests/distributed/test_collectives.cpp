@@ -1,9 +1,13 @@
 // Every collective on 1-4 ranks, fp32 and bf16, against values computed locally.
 #include <torch/torch.h>
 
+#include <string>
+#include <thread>
+
 #include "distributed_test.h"
 #include "error_of.h"
 #include "hyperparallel/collectives.h"
+#include "src/distributed/thread_wire_bytes.h"
 
 namespace hp {
 namespace {
@@ -158,6 +162,31 @@ HP_DIST_TEST(Collectives, BroadcastSendRecvBarrier, 1, 2, 3, 4) {
     }
   }
   barrier(group).wait();
+}
+
+// What a thread's collectives sent leaves out another thread's, which the process-wide
+// count includes (an all-reduce sends 2 (n - 1) / n of its tensor: all of it on 2 ranks).
+HP_DIST_TEST(Collectives, WireBytesOfAThreadLeaveOutOtherThreads, 2) {
+  const GroupPtr elsewhere = testing::world()->new_group("other_thread", {0, 1});
+  const int64_t mine_before = detail::wire_bytes_sent_by_this_thread();
+  const int64_t all_before = wire_bytes().total();
+  std::string failure;
+  std::thread other([&] {
+    try {
+      at::Tensor t = torch::ones({1000});
+      all_reduce(t, ReduceOp::kSum, *elsewhere).wait();
+    } catch (const c10::Error& e) {
+      failure = e.what_without_backtrace();
+    }
+  });
+  other.join();
+  ASSERT_EQ(failure, "");
+  EXPECT_EQ(detail::wire_bytes_sent_by_this_thread(), mine_before);
+  EXPECT_EQ(wire_bytes().total() - all_before, 4000);
+  at::Tensor t = torch::ones({10});
+  all_reduce(t, ReduceOp::kSum, world_group()).wait();
+  EXPECT_EQ(detail::wire_bytes_sent_by_this_thread() - mine_before, 40);
+  EXPECT_EQ(wire_bytes().total() - all_before, 4040);
 }
 
 HP_DIST_TEST(Collectives, BadArgumentsAreExplained, 2) {
