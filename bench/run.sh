@@ -217,7 +217,7 @@ netns_runs() {
   # shellcheck disable=SC2086
   launch "netns/d128L8/1x2" 2 bench/netns.sh exec "$HP_BENCH" $NETNS_MODEL \
     --steps "$NETNS_STEPS" --warmup "$WARMUP" --no-copy-count --trace "$OUT/trace" \
-    --variants local,comm,comm:keep,comm:keep+gloo,ddp,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep,hp:fusion+bucket,hp:fusion+keep+bucket
+    --variants local,comm,comm:keep,comm:keep+gloo,comm:fusion,comm:fusion+keep,ddp,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep,hp:fusion+bucket,hp:fusion+keep+bucket
   # shellcheck disable=SC2086
   launch "netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
     --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants local,fsdp2,fsdp2:prefetch
