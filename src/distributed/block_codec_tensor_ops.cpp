@@ -15,7 +15,10 @@ QuantizedBlocks quantize_blocks_by_tensor_ops(const at::Tensor& values, CommCode
   at::Tensor padded = at::zeros({rows, blocks * block_size}, values.options().dtype(at::kFloat));
   padded.narrow(1, 0, n).copy_(values);
   at::Tensor by_block = padded.view({rows, blocks, block_size});
-  at::Tensor scales = by_block.abs().amax(-1).div_(code_max(codec));
+  // Divided by a tensor on the values' device, not by a host scalar: CUDA turns division
+  // by a host scalar into multiplication by its reciprocal, which rounds differently.
+  at::Tensor scales =
+      by_block.abs().amax(-1).div_(at::scalar_tensor(code_max(codec), padded.options()));
   // amax propagates NaN; inf / max stays inf. Either way the block becomes NaNs.
   scales.masked_fill_(scales.isinf(), std::numeric_limits<float>::quiet_NaN());
   const at::Tensor usable = scales.gt(0).unsqueeze(-1);  // false for 0 and NaN

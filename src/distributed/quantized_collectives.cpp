@@ -157,8 +157,15 @@ CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
           const int64_t n = output.numel();
           const at::Tensor parts = dequantize_blocks(unpack(received, offset, n, block_size, codec),
                                                      block_size, at::kFloat);
-          at::Tensor sum = at::sum(parts, {0});
-          if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(peers));
+          // One peer after the other, in group-rank order, on every device (a reduction
+          // kernel may pair the rows in another order).
+          at::Tensor sum = parts[0].clone();
+          for (int64_t peer = 1; peer < peers; ++peer) sum.add_(parts[peer]);
+          // (By a tensor on the device: the same rounding as a division on the CPU;
+          // block_codec_tensor_ops.cpp says why.)
+          if (op == ReduceOp::kAvg) {
+            sum.div_(at::scalar_tensor(static_cast<double>(peers), sum.options()));
+          }
           output.copy_(sum.view(output.sizes()));
           offset += quantized_row_bytes(n, block_size);
         }

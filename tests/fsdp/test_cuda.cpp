@@ -138,12 +138,6 @@ at::Tensor bits_of(const at::Tensor& t) {
   return cpu.view(cpu.element_size() == 4 ? at::kInt : at::kByte);
 }
 
-// Equal values on the CPU. (The quantized reduce-scatter sums what it received, in which
-// a code's -0 becomes +0: the same value, other bits.)
-bool same_values(const at::Tensor& a, const at::Tensor& b) {
-  return torch::equal(a.to(at::kCPU), b.to(at::kCPU));
-}
-
 // The CPU's quantize-dequantize of `values` as one row, in its shape.
 at::Tensor cpu_round_trip(const at::Tensor& values, CommCodec codec, int64_t block) {
   const at::Tensor row = values.to(at::kCPU, at::kFloat).reshape({1, -1});
@@ -179,8 +173,7 @@ HP_DIST_TEST(Cuda, BlockCodecsOnTheGpuGiveTheCpusBits, 1) {
 
 // On the one-rank group, communicating, the quantized all-gather and reduce-scatter
 // (error feedback's residual too, and coalesced) give what the CPU's quantize-dequantize
-// of the same tensors gives (the all-gather and the residual bit for bit); not
-// communicating, nothing is quantized.
+// of the same tensors gives, bit for bit; not communicating, nothing is quantized.
 HP_DIST_TEST(Cuda, QuantizedCollectivesOnTheGpuMatchTheCpusCodecs, 1) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here";
   const Group& group = *testing::world()->world_group();
@@ -204,7 +197,7 @@ HP_DIST_TEST(Cuda, QuantizedCollectivesOnTheGpuMatchTheCpusCodecs, 1) {
     quantized_reduce_scatter(reduced, a.to(device), ReduceOp::kAvg, group, codec, kBlock, kept)
         .wait();
     const at::Tensor sent = quantized ? a + residual : a;
-    EXPECT_TRUE(same_values(reduced, expected(sent)));
+    EXPECT_TRUE(torch::equal(bits_of(reduced), bits_of(expected(sent))));
     EXPECT_TRUE(torch::equal(bits_of(kept), bits_of(quantized ? sent - expected(sent) : residual)))
         << "the residual";
 
@@ -213,8 +206,8 @@ HP_DIST_TEST(Cuda, QuantizedCollectivesOnTheGpuMatchTheCpusCodecs, 1) {
     quantized_reduce_scatter_coalesced(outputs, {a.to(device), b.to(device)}, ReduceOp::kSum, group,
                                        codec, kBlock)
         .wait();
-    EXPECT_TRUE(same_values(outputs[0], expected(a)));
-    EXPECT_TRUE(same_values(outputs[1], expected(b)));
+    EXPECT_TRUE(torch::equal(bits_of(outputs[0]), bits_of(expected(a))));
+    EXPECT_TRUE(torch::equal(bits_of(outputs[1]), bits_of(expected(b))));
   }
 }
 
@@ -285,7 +278,7 @@ HP_DIST_TEST(Cuda, FullyShardWithCodecsOnOneGpuQuantizesAsTheCpu, 1) {
     ASSERT_EQ(grads.size(), exact_grads.size());
     for (const auto& [name, grad] : exact_grads) {
       const at::Tensor want = quantized ? cpu_round_trip(grad, codec, kBlock) : grad;
-      EXPECT_TRUE(same_values(grads.at(name), want)) << name;
+      EXPECT_TRUE(torch::equal(bits_of(grads.at(name)), bits_of(want))) << name;
     }
   }
 }
