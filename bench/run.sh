@@ -10,6 +10,7 @@
 # (scheduling overhead), netns (bandwidth-limited), checkpoint (how long a save blocks
 # training, synchronous vs async), pipeline (the pipeline schedules' step time, bubble and
 # activations held on 4 ranks, and the cost of a zero-bubble schedule's split backward),
+# recompute (activation recomputation's early stop against whole reruns, one process),
 # codecs (quantized collectives: bytes, step time on loopback and bandwidth-limited, and
 # the accuracy of 500 training steps).
 # --only runs the listed ones and rewrites only their parts of the report (their sections
@@ -28,7 +29,7 @@
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline,codecs
+ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline,recompute,codecs
 BUILD=build
 SECTIONS=$ALL_SECTIONS
 COMMAND="make bench"
@@ -62,6 +63,7 @@ REPORT=${BENCH_REPORT:-docs/performance.md}
 OUT=$BUILD/bench/results
 HP_BENCH=$BUILD/bench/hp_bench
 PIPELINE_BENCH=$BUILD/bench/pipeline_bench
+RECOMPUTE_BENCH=$BUILD/bench/recompute_bench
 PY_BENCH="python3 bench/fsdp2_bench.py"
 # Python's TCPStore (FSDP2 runs) needs the non-libuv backend in this torch build.
 export USE_LIBUV=0
@@ -75,8 +77,11 @@ TIMING_MALLOC=${BENCH_GLIBC_TUNABLES-glibc.malloc.mmap_threshold=268435456:glibc
 export GLIBC_TUNABLES=$TIMING_MALLOC
 
 needed=("$BUILD/hp-run")
-[ "$SECTIONS" = pipeline ] || needed+=("$HP_BENCH")  # every section but pipeline runs it
+for s in ${SECTIONS//,/ }; do  # every section but pipeline and recompute runs hp_bench
+  case $s in pipeline | recompute) ;; *) needed+=("$HP_BENCH") && break ;; esac
+done
 selected pipeline && needed+=("$PIPELINE_BENCH")
+selected recompute && needed+=("$RECOMPUTE_BENCH")
 selected codecs && needed+=("$BUILD/examples/train_decoder")
 for f in "${needed[@]}"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
@@ -97,6 +102,7 @@ launch() {
   local tmp start=$SECONDS rc what=hp_bench
   [[ "$*" == *fsdp2_bench.py* ]] && what=fsdp2_bench
   [[ "$*" == *pipeline_bench* ]] && what=pipeline_bench
+  [[ "$*" == *recompute_bench* ]] && what=recompute_bench
   tmp=$(mktemp)
   "$BUILD/hp-run" -n "$n" --timeout 600 "${HPRUN_OPTS[@]}" -- "$@" --label "$label" >"$tmp" 2>&1
   rc=$?
@@ -267,6 +273,14 @@ section_pipeline() {
       --activation-mib 16 --steps 3 --warmup 1
   done
   launch "pipeline/split-backward" 1 "$PIPELINE_BENCH" --split-backward --steps 3 --warmup 1
+}
+
+# Activation recomputation (include/hyperparallel/recompute.h) in one process: forward and
+# backward of 4 d512 decoder blocks without recomputation, every block recomputed whole,
+# and with early stop (bench/recompute_bench.cpp), the variants in turn within each step.
+section_recompute() {
+  echo "bench: activation recomputation, early stop against whole reruns (one process)"
+  launch "recompute/d512L4" 1 "$RECOMPUTE_BENCH" --blocks 4 --steps 10 --warmup 1
 }
 
 # Quantized collectives (hp::CommPolicy): the netns section's model on 2 ranks, full

@@ -390,7 +390,7 @@ Decoder deferred_decoder(const TrainOptions& o, const hp::trainer::ParallelLayou
   const hp::models::TransformerConfig config = decoder_config(o, layout);
   torch::manual_seed(static_cast<uint64_t>(o.seed));  // the same initial model on every rank
   Decoder model = hp::deferred_init([&] { return Decoder(config); });
-  model->recompute_layers.assign(o.layers, o.recompute_impl());
+  model->recompute_layers.assign(o.layers, o.recompute_options());
   return model;
 }
 

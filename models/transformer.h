@@ -290,7 +290,7 @@ struct TransformerImpl : torch::nn::Module {
       if (i < swap_layers.size() && swap_layers[i]) swapped.emplace(activation_swap);
       if (i < recompute_layers.size() && recompute_layers[i]) {
         h = hp::recompute([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
-                          {.impl = *recompute_layers[i]});
+                          *recompute_layers[i]);
       } else {
         h = layers[i](h);
       }
@@ -315,7 +315,7 @@ struct TransformerImpl : torch::nn::Module {
   RMSNorm norm{nullptr};
   // Activation recomputation of layer i when recompute_layers[i] is set (missing
   // entries: none).
-  std::vector<std::optional<hp::RecomputeImpl>> recompute_layers;
+  std::vector<std::optional<hp::RecomputeOptions>> recompute_layers;
   // Activation swap of layer i when swap_layers[i] is set (missing entries: none): what
   // the layer saves for backward (a recomputed layer: its input) goes to activation_swap
   // and comes back ahead of the layer's backward.

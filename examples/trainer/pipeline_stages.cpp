@@ -54,7 +54,7 @@ at::Tensor DecoderStageImpl::forward(const at::Tensor& x) {
     const auto index = static_cast<size_t>(layer_indices[i]);
     if (index < recompute.size() && recompute[index]) {
       h = hp::recompute([layer = layers[i]](const at::Tensor& y) mutable { return layer(y); }, h,
-                        {.impl = *recompute[index]});
+                        *recompute[index]);
     } else {
       h = layers[i](h);
     }

@@ -11,9 +11,9 @@
 
 namespace hp::trainer {
 
-std::optional<RecomputeImpl> TrainOptions::recompute_impl() const {
-  if (recompute == "reentrant") return RecomputeImpl::kReentrant;
-  if (recompute == "non-reentrant") return RecomputeImpl::kNonReentrant;
+std::optional<RecomputeOptions> TrainOptions::recompute_options() const {
+  if (recompute == "reentrant") return RecomputeOptions{.impl = RecomputeImpl::kReentrant};
+  if (recompute == "non-reentrant") return RecomputeOptions{.impl = RecomputeImpl::kNonReentrant};
   return std::nullopt;
 }
 

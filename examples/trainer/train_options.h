@@ -77,7 +77,7 @@ struct TrainOptions {
   // Derived from `mesh`
   int64_t replicate = 2;
   int64_t shard = 2;
-  std::optional<RecomputeImpl> recompute_impl() const;
+  std::optional<RecomputeOptions> recompute_options() const;
 };
 
 struct ParsedOptions {

@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 namespace hp {
@@ -39,6 +40,15 @@ struct RecomputeOptions {
   // Put the random generators (CPU, and the devices of the inputs) back to their
   // forward-time state for the rerun, so that dropout draws the same masks.
   bool preserve_rng_state = true;
+  // Early stop (non-reentrant only; unset means on for it): the rerun ends as soon as it
+  // has saved every tensor the forward saved, so what follows the last saved tensor does
+  // not run again. An operation saves its inputs before it computes, so a region ending
+  // in a linear layer skips that layer's matmul. The rerun is left by an exception that
+  // recompute catches: code in the region must let exceptions it does not know pass
+  // (a catch (...) that swallows them is reported), and side effects after the last saved
+  // tensor happen in forward only. false reruns the whole region. A reentrant rerun is
+  // backpropagated through, so it always runs whole: true with kReentrant is refused.
+  std::optional<bool> early_stop;
 };
 
 using RecomputeFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;

@@ -182,8 +182,13 @@ void FSDPState::forward_failed() {
   if (--forward_depth_ > 0) return;
   if (training_state_ == TrainingState::kForward) training_state_ = TrainingState::kIdle;
   schedule_->forward_ended(*this);
-  // A failed recompute fails its backward, which the next forward recovers.
-  if (inside_backward()) return;
+  if (inside_backward()) {
+    // A recompute left early: stopped once it had recovered what backward needs (the
+    // parameters stay gathered for that backward), or failed, failing its backward,
+    // which the next forward recovers.
+    trace::record(trace::Kind::kEnd, "recompute", label_);
+    return;
+  }
   // Nothing gathered for this forward (this module, prefetched ones, for the root the
   // whole tree) stays allocated or pending after the error.
   if (is_root()) {

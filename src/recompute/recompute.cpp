@@ -70,13 +70,22 @@ class KeptInput {
   at::Tensor tensor_;
 };
 
+class Region;
+
+// Thrown by the hook that collects a rerun's last needed tensor, caught by that rerun: it
+// ends the rerun early. Not a std::exception, so that the region's own handlers of errors
+// let it pass.
+struct RerunComplete {
+  const Region* region;
+};
+
 // One run of a region: what its forward saved (its metadata, not the tensors) and, after a
 // rerun, the tensors backward has not taken yet.
 class Region : public std::enable_shared_from_this<Region> {
  public:
   Region(RecomputeFn fn, const std::vector<at::Tensor>& inputs,
-         std::optional<detail::RngSnapshot> rng)
-      : fn_(std::move(fn)), rng_(std::move(rng)) {
+         std::optional<detail::RngSnapshot> rng, bool early_stop)
+      : fn_(std::move(fn)), rng_(std::move(rng)), early_stop_(early_stop) {
     for (const auto& input : inputs) inputs_.emplace_back(input);
   }
 
@@ -107,6 +116,7 @@ class Region : public std::enable_shared_from_this<Region> {
   };
 
   void collect(const at::Tensor& t) {
+    if (stop_thrown_) throw_stop_swallowed();
     if (collected_ >= saved_.size() || !(SavedMeta(t) == saved_[collected_])) {
       std::ostringstream what;
       what << "recompute: the recomputed region saved ";
@@ -122,6 +132,18 @@ class Region : public std::enable_shared_from_this<Region> {
       C10_THROW_ERROR(Error, what.str());
     }
     recomputed_[collected_++] = t.detach();
+    if (early_stop_ && collected_ == saved_.size()) {
+      stop_thrown_ = true;
+      throw RerunComplete{this};
+    }
+  }
+
+  [[noreturn]] static void throw_stop_swallowed() {
+    C10_THROW_ERROR(Error,
+                    "recompute: the recomputed region caught the exception that ends its rerun "
+                    "once every tensor backward needs is recomputed (early stop), and went on; "
+                    "let exceptions the region does not know pass (rethrow in catch (...)), or "
+                    "set RecomputeOptions::early_stop = false");
   }
 
   void recompute() {
@@ -129,14 +151,22 @@ class Region : public std::enable_shared_from_this<Region> {
     for (auto& input : inputs_) inputs.push_back(input.get());
     recomputed_.assign(saved_.size(), at::Tensor());
     collected_ = 0;
+    stop_thrown_ = false;
+    bool stopped = false;
     {
       detail::SavedTensorHooksScope hooks([this] { return std::make_unique<Collect>(*this); });
       detail::SavedTensorRecomputeScope fully_shard_sees_a_rerun;
       at::AutoGradMode grad(true);
       std::optional<detail::RngReplayScope> replay;
       if (rng_) replay.emplace(*rng_);
-      fn_(inputs);
+      try {
+        fn_(inputs);
+      } catch (const RerunComplete& stop) {
+        if (stop.region != this) throw;
+        stopped = true;
+      }
     }
+    if (stop_thrown_ && !stopped) throw_stop_swallowed();
     if (collected_ != saved_.size()) {
       C10_THROW_ERROR(Error, "recompute: the recomputed region saved " +
                                  std::to_string(collected_) +
@@ -152,6 +182,8 @@ class Region : public std::enable_shared_from_this<Region> {
   std::vector<SavedMeta> saved_;
   std::vector<at::Tensor> recomputed_;
   size_t collected_ = 0;
+  bool early_stop_;
+  bool stop_thrown_ = false;  // by the current rerun
 };
 
 // Keeps nothing of a saved tensor but its place in the region's save order.
@@ -171,7 +203,8 @@ std::vector<at::Tensor> recompute_non_reentrant(const RecomputeFn& fn,
                                                 const RecomputeOptions& options) {
   std::optional<detail::RngSnapshot> rng;
   if (options.preserve_rng_state) rng = detail::RngSnapshot::capture(inputs);
-  auto region = std::make_shared<Region>(fn, inputs, std::move(rng));
+  auto region =
+      std::make_shared<Region>(fn, inputs, std::move(rng), options.early_stop.value_or(true));
   detail::SavedTensorHooksScope hooks(
       [region] { return std::make_unique<DropAndRecompute>(region); });
   return fn(inputs);
@@ -253,6 +286,12 @@ std::vector<at::Tensor> recompute_reentrant(const RecomputeFn& fn,
 std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::Tensor>& inputs,
                                   const RecomputeOptions& options) {
   if (!fn) C10_THROW_ERROR(ValueError, "recompute: the function is empty");
+  if (options.impl == RecomputeImpl::kReentrant && options.early_stop.value_or(false)) {
+    C10_THROW_ERROR(ValueError,
+                    "recompute: early_stop = true needs RecomputeImpl::kNonReentrant (a reentrant "
+                    "rerun is backpropagated through, so it runs whole); leave early_stop unset "
+                    "or use the non-reentrant kind");
+  }
   if (!c10::GradMode::is_enabled()) return fn(inputs);  // no graph, nothing to save
   switch (options.impl) {
     case RecomputeImpl::kNonReentrant:

@@ -293,7 +293,7 @@ TransformerConfig swap_config() {
 
 struct LayerPlan {
   std::vector<bool> swap;
-  std::vector<std::optional<RecomputeImpl>> recompute;
+  std::vector<std::optional<RecomputeOptions>> recompute;
 };
 
 struct StepRecord {
@@ -379,7 +379,7 @@ HP_DIST_TEST(FullyShardWithActivationSwap, L2_06_SwapMatchesReference, 2) {
   for (RecomputeImpl impl : {RecomputeImpl::kNonReentrant, RecomputeImpl::kReentrant}) {
     SCOPED_TRACE(impl == RecomputeImpl::kReentrant ? "reentrant" : "non-reentrant");
     LayerPlan plan = swap_all;
-    plan.recompute.assign(layers, impl);
+    plan.recompute.assign(layers, RecomputeOptions{.impl = impl});
     const Training composed = train_two_steps(plan, /*compare_with_reference=*/true);
     expect_bitwise_equal(composed, plain, "swap and recompute vs neither");
     // Two steps, one input [2, 32, 64] per layer.

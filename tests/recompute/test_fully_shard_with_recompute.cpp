@@ -7,7 +7,8 @@
 //   L2-05: selective (layers 1 and 3): fully_shard's forward hooks run twice per step for
 //          those layers (forward, recompute) and once for the others.
 // Also the other order of composition: a fully_shard-ed module whose forward recomputes
-// part of itself; and recomputation with quantized collectives, bitwise as well.
+// part of itself; recomputation with quantized collectives, bitwise as well; and early stop
+// leaving fully_shard-ed blocks mid-forward.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -26,7 +27,7 @@ namespace {
 
 using models::Transformer;
 using models::TransformerConfig;
-using LayerPlan = std::vector<std::optional<RecomputeImpl>>;
+using LayerPlan = std::vector<std::optional<RecomputeOptions>>;
 
 TransformerConfig ac_config() {
   return {.vocab = 96, .dim = 64, .heads = 4, .layers = 4, .ffn_hidden = 128, .max_seq = 32};
@@ -121,7 +122,9 @@ void expect_recomputed_training_matches_reference(const LayerPlan& plan) {
                        train_two_steps({}, /*compare_with_reference=*/false));
 }
 
-LayerPlan every_layer(RecomputeImpl impl) { return LayerPlan(ac_config().layers, impl); }
+LayerPlan every_layer(RecomputeImpl impl, std::optional<bool> early_stop = std::nullopt) {
+  return LayerPlan(ac_config().layers, RecomputeOptions{.impl = impl, .early_stop = early_stop});
+}
 
 HP_DIST_TEST(FullyShardWithRecompute, ReentrantMatchesReference, 2) {
   expect_recomputed_training_matches_reference(every_layer(RecomputeImpl::kReentrant));
@@ -181,7 +184,7 @@ HP_DIST_TEST(FullyShardWithRecompute, RecomputationLowersPeakMemory, 2) {
 
 HP_DIST_TEST(FullyShardWithRecompute, SelectiveRecomputeRunsOnlyThoseLayers, 2) {
   LayerPlan plan(ac_config().layers);
-  plan[1] = plan[3] = RecomputeImpl::kNonReentrant;
+  plan[1] = plan[3] = RecomputeOptions{.impl = RecomputeImpl::kNonReentrant};
   expect_recomputed_training_matches_reference(plan);
 
   // One traced step: fully_shard's forward hook runs for the forward and, in
@@ -285,6 +288,76 @@ HP_DIST_TEST(FullyShardWithRecompute, RecomputeInsideAShardedModule, 2) {
         reference, model, parts, 2,
         [] { return std::pair{torch::randn({8, 16}), torch::randn({8, 1})}; }, testing::mse_loss,
         1e-5, /*expect_every_param_managed=*/true);
+  }
+}
+
+// A block whose last saved tensor is the input of its last matmul, counting the runs of
+// what follows that tensor.
+struct TailCountingBlockImpl : torch::nn::Module {
+  TailCountingBlockImpl(int64_t dim, int& tail_runs)
+      : fc1(register_module("fc1", torch::nn::Linear(dim, 2 * dim))),
+        fc2(register_module("fc2", torch::nn::Linear(2 * dim, dim))),
+        tail_runs(tail_runs) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor out = fc2(torch::gelu(fc1(x)));  // fc2 saves its input, then computes
+    ++tail_runs;
+    return out;
+  }
+  torch::nn::Linear fc1, fc2;
+  int& tail_runs;
+};
+TORCH_MODULE(TailCountingBlock);
+
+struct RecomputedBlocksNetImpl : torch::nn::Module {
+  RecomputedBlocksNetImpl(int64_t dim, RecomputeOptions options)
+      : head(register_module("head", torch::nn::Linear(dim, 1))), options(options) {
+    auto list = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) {
+      blocks.emplace_back(TailCountingBlock(dim, tail_runs));
+      list->push_back(blocks.back().ptr());
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& block : blocks) {
+      x = recompute([block](const at::Tensor& h) mutable { return block(h); }, x, options);
+    }
+    return head(x);
+  }
+  int tail_runs = 0;
+  std::vector<Sharded<TailCountingBlock>> blocks;
+  torch::nn::Linear head;
+  RecomputeOptions options;
+};
+TORCH_MODULE(RecomputedBlocksNet);
+
+// Early stop ends the rerun of each recomputed block inside its fully_shard-ed forward (the
+// stop passes through fully_shard's forward hooks): the tail of each block runs in forward
+// only, and two AdamW steps give the gradients and parameters of whole reruns bit for bit.
+HP_DIST_TEST(FullyShardWithRecompute, EarlyStopLeavesShardedBlocksAndTrainsAsWholeReruns, 2) {
+  std::map<bool, std::vector<std::map<std::string, at::Tensor>>> results;
+  for (bool early_stop : {true, false}) {
+    SCOPED_TRACE(early_stop ? "early stop" : "whole reruns");
+    torch::manual_seed(5);
+    Sharded<RecomputedBlocksNet> model(16, RecomputeOptions{.early_stop = early_stop});
+    testing::ShardedParts parts = testing::shard_blocks_then_root(model->blocks, model, "blocks.");
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::manual_seed(11);
+    for (int step = 0; step < 2; ++step) {
+      const at::Tensor x = torch::randn({8, 16}), y = torch::randn({8, 1});
+      opt.zero_grad();
+      model->tail_runs = 0;
+      torch::mse_loss(model(x), y).backward();
+      EXPECT_EQ(model->tail_runs, early_stop ? 3 : 6) << "step " << step;
+      results[early_stop].push_back(testing::full_grads(parts));
+      opt.step();
+      results[early_stop].push_back(testing::full_params(parts));
+    }
+  }
+  ASSERT_EQ(results[true].size(), results[false].size());
+  for (size_t i = 0; i < results[true].size(); ++i) {
+    expect_bitwise_equal(results[true][i], results[false][i],
+                         i % 2 == 0 ? "grad of step " + std::to_string(i / 2)
+                                    : "param after step " + std::to_string(i / 2));
   }
 }
 

@@ -1,11 +1,12 @@
 // Activation recomputation against plain LibTorch running the same function without it:
 // outputs and gradients must match bit for bit, the region must really run again in
 // backward, and what the options promise (random draws replayed, activations not kept,
-// a changed rerun reported) must hold.
+// a changed rerun reported, early stop) must hold.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -297,6 +298,91 @@ TEST(RecomputeNonReentrant, RerunThatSavesOtherTensorsIsReported) {
   changed = true;
   const std::string what = error_of([&] { y.sum().backward(); });
   EXPECT_NE(what.find("recomputed"), std::string::npos) << "what(): " << what;
+}
+
+// Early stop: the rerun ends once it has saved the forward's last saved tensor, here the
+// input of fc2, which addmm saves before it computes; what follows runs in forward only.
+TEST(RecomputeNonReentrant, EarlyStopSkipsWhatFollowsTheLastSavedTensor) {
+  torch::manual_seed(0);
+  Mlp mlp;
+  const at::Tensor x = torch::randn({5, 8}).requires_grad_();
+  const auto leaves = with_input(x, mlp.parameters());
+  int tail_runs = 0;
+  const auto region = [&](const at::Tensor& in) {
+    at::Tensor out = mlp.fc2(torch::gelu(mlp.fc1(in)));
+    ++tail_runs;
+    return out + 1;  // saves nothing
+  };
+  const Result expected = run(leaves, [&] { return region(x); });
+  for (std::optional<bool> early_stop :
+       {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+    SCOPED_TRACE("early_stop " + (early_stop ? std::to_string(*early_stop) : "unset"));
+    tail_runs = 0;
+    const Result actual =
+        run(leaves, [&] { return recompute(region, x, {.early_stop = early_stop}); });
+    expect_equal(actual, expected);
+    EXPECT_EQ(tail_runs, early_stop.value_or(true) ? 1 : 2);
+  }
+}
+
+// The outer region's last saved tensor is the inner region's input: the outer rerun stops
+// before the inner region runs, and the inner one reruns in its own backward.
+TEST(RecomputeNonReentrant, EarlyStopBeforeANestedRegion) {
+  torch::manual_seed(0);
+  Mlp mlp;
+  const at::Tensor x = torch::randn({5, 8}).requires_grad_();
+  const auto leaves = with_input(x, mlp.parameters());
+  int inner_runs = 0;
+  const auto inner = [&](const at::Tensor& in) {
+    ++inner_runs;
+    return mlp.fc2(in);
+  };
+  const auto outer = [&](const at::Tensor& in) {
+    return recompute(inner, torch::gelu(mlp.fc1(in)));
+  };
+  const Result expected = run(leaves, [&] { return mlp.fc2(torch::gelu(mlp.fc1(x))); });
+  for (bool early_stop : {true, false}) {
+    SCOPED_TRACE(early_stop ? "early stop" : "whole outer rerun");
+    inner_runs = 0;
+    const Result actual =
+        run(leaves, [&] { return recompute(outer, x, {.early_stop = early_stop}); });
+    expect_equal(actual, expected);
+    EXPECT_EQ(inner_runs, early_stop ? 2 : 3);  // forward, (outer rerun,) inner rerun
+  }
+}
+
+TEST(RecomputeNonReentrant, ARegionThatSwallowsTheStopIsReported) {
+  torch::manual_seed(0);
+  Mlp mlp;
+  const at::Tensor x = torch::randn({5, 8}).requires_grad_();
+  const auto leaves = with_input(x, mlp.parameters());
+  const auto swallowing = [&](const at::Tensor& in) {
+    at::Tensor out;
+    try {
+      out = mlp(in);
+    } catch (...) {  // swallows everything, the stop included
+    }
+    return out;
+  };
+  const at::Tensor y = recompute(swallowing, x);
+  const std::string what = error_of([&] { y.sum().backward(); });
+  EXPECT_NE(what.find("early_stop = false"), std::string::npos) << "what(): " << what;
+  // Without early stop the region reruns whole and nothing is thrown through it.
+  const Result expected = run(leaves, [&] { return mlp(x); });
+  expect_equal(run(leaves, [&] { return recompute(swallowing, x, {.early_stop = false}); }),
+               expected);
+}
+
+TEST(RecomputeReentrant, EarlyStopIsRefused) {
+  torch::manual_seed(0);
+  Mlp mlp;
+  const at::Tensor x = torch::randn({5, 8}).requires_grad_();
+  const auto block = [&](const at::Tensor& in) { return mlp(in); };
+  const RecomputeOptions stopping{.impl = RecomputeImpl::kReentrant, .early_stop = true};
+  EXPECT_NE(error_of<c10::ValueError>([&] { recompute(block, x, stopping); }).find("early_stop"),
+            std::string::npos);
+  EXPECT_TRUE(recompute(block, x, {.impl = RecomputeImpl::kReentrant, .early_stop = false})
+                  .requires_grad());
 }
 
 TEST(RecomputeReentrant, AutogradGradIsRefused) {
