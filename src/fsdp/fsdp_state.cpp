@@ -185,8 +185,11 @@ void FSDPState::forward_failed() {
   if (inside_backward()) {
     // A recompute left early: stopped once it had recovered what backward needs (the
     // parameters stay gathered for that backward), or failed, failing its backward,
-    // which the next forward recovers.
-    trace::record(trace::Kind::kEnd, "recompute", label_);
+    // which the next forward recovers. This runs while the exception unwinds.
+    try {
+      trace::record(trace::Kind::kEnd, "recompute", label_);
+    } catch (...) {  // a lost trace mark is secondary to the exception
+    }
     return;
   }
   // Nothing gathered for this forward (this module, prefetched ones, for the root the
