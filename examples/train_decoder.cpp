@@ -464,14 +464,15 @@ std::string checkpoint_to_resume(const TrainOptions& o, int64_t rank) {
   return latest;
 }
 
-// Loads a sharded checkpoint or an --export into the model, the optimizer and the run's
-// random generators; returns the steps already taken (the data continue from there).
-int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& optimizer,
-               int64_t rank) {
+// Loads a sharded checkpoint or an --export into the model (under --pp: this rank's
+// stages), the optimizer and the run's random generators; returns the steps already taken
+// (the data continue from there).
+int64_t resume(const std::string& from, torch::nn::Module& model, torch::optim::AdamW& optimizer,
+               int64_t rank, bool pipelined) {
   int64_t done = 0;
   if (hp::is_complete_checkpoint(from)) {
     // Each rank reads only the pieces its shards need.
-    const hp::StateDict state = hp::load_sharded_checkpoint(from, *model, &optimizer);
+    const hp::StateDict state = hp::load_sharded_checkpoint(from, model, &optimizer);
     done = state["step"].item<int64_t>();
     restore_rng(state["rng_states"], rank);
     if (const at::Tensor* signal = state.find("last_words"); signal != nullptr && rank == 0) {
@@ -479,11 +480,16 @@ int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& opt
                   hp::trainer::signal_name(signal->item<int>()).c_str());
     }
   } else if (std::filesystem::exists(from + "/model.pt")) {
+    if (pipelined) {
+      throw UsageError("--resume " + from +
+                       ": an --export loads into the whole model, not into pipeline stages; "
+                       "resume it without --pp and --save a sharded checkpoint for --pp");
+    }
     // An --export: both files stream, one tensor read at a time.
-    hp::load_full_checkpoint(*model, from + "/model.pt");
-    hp::load_full_optimizer_checkpoint(*model, optimizer, from + "/optim.pt");
+    hp::load_full_checkpoint(model, from + "/model.pt");
+    hp::load_full_optimizer_checkpoint(model, optimizer, from + "/optim.pt");
     // AdamW counts steps per parameter; any parameter's count is the run's.
-    auto state = optimizer.state().find(model->tok_embeddings->weight.unsafeGetTensorImpl());
+    auto state = optimizer.state().find(model.parameters().front().unsafeGetTensorImpl());
     if (state != optimizer.state().end()) {
       done = static_cast<torch::optim::AdamWParamState&>(*state->second).step();
     }
@@ -501,17 +507,18 @@ int64_t resume(const std::string& from, Decoder& model, torch::optim::AdamW& opt
 // The checkpoint after `step`: in the background with `saver` (null: before returning).
 // `last_words`: the signal that preempted the run, kept in the checkpoint as "last_words"
 // (0: a regular save; a resumed run treats both alike).
-void save(const TrainOptions& o, int64_t step, Decoder& model, torch::optim::AdamW& optimizer,
-          const Job& job, hp::AsyncCheckpointSaver* saver = nullptr, int last_words = 0) {
+void save(const TrainOptions& o, int64_t step, torch::nn::Module& model,
+          torch::optim::AdamW& optimizer, const Job& job, hp::AsyncCheckpointSaver* saver = nullptr,
+          int last_words = 0) {
   const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
   hp::StateDict state = run_state(step, job.all(), job.ranks);
   if (last_words != 0) state.insert("last_words", at::scalar_tensor(last_words, at::kLong));
   if (saver) {
-    saver->save(dir, *model, &optimizer, state);
+    saver->save(dir, model, &optimizer, state);
     if (job.rank == 0) std::printf("saving %s in the background\n", dir.c_str());
     return;
   }
-  hp::save_sharded_checkpoint(dir, *model, &optimizer, state);
+  hp::save_sharded_checkpoint(dir, model, &optimizer, state);
   if (job.rank != 0) return;
   if (last_words == 0) {
     std::printf("saved %s\n", dir.c_str());
@@ -864,8 +871,13 @@ int train(const TrainOptions& o, const std::string& resolved) {
   const Evaluation evaluation =
       pipeline ? evaluation_of(*pipeline, layout) : evaluation_of(model, layout);
 
+  // What the checkpoints hold (under --pp, this rank's stages by the whole decoder's names).
+  torch::nn::Module& saved = pipeline ? pipeline->saved_part() : *model;
+  torch::nn::Module& loaded = pipeline ? pipeline->loaded_part() : *model;
   torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(o.lr));
-  const int64_t done = resume_from.empty() ? 0 : resume(resume_from, model, optimizer, job.rank);
+  const int64_t done = resume_from.empty()
+                           ? 0
+                           : resume(resume_from, loaded, optimizer, job.rank, pipeline.has_value());
   const InjectedFault fault = fault_of_this_attempt(o, job.ranks);
   Summary summary;
   summary.matmul_rate = measured_matmul_rate(job.all());
@@ -895,10 +907,10 @@ int train(const TrainOptions& o, const std::string& resolved) {
     const int preempted_by = preemption.agreed_signal(job.all());
     if (preempted_by != 0 && !o.save.empty()) {
       if (saver) saver->wait();
-      save(o, step, model, optimizer, job, nullptr, preempted_by);
+      save(o, step, saved, optimizer, job, nullptr, preempted_by);
     } else if (preempted_by == 0 && o.save_every > 0 && step % o.save_every == 0 &&
                step != o.steps) {
-      save(o, step, model, optimizer, job, saver ? &*saver : nullptr);
+      save(o, step, saved, optimizer, job, saver ? &*saver : nullptr);
     }
     if (progress.logs(step) || progress.evaluates(step)) {
       hp::trainer::MetricsRecord record =
@@ -914,7 +926,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
   progress.finish();
 
   if (saver) saver->wait();
-  if (!o.save.empty()) save(o, o.steps, model, optimizer, job);
+  if (!o.save.empty()) save(o, o.steps, saved, optimizer, job);
   if (!o.export_dir.empty()) export_full(o.export_dir, model, optimizer, job);
   summary.validation_loss =
       validation ? *validation : validation_loss(evaluation.loss_of, data.validation, job.all());

@@ -22,6 +22,27 @@ constexpr int64_t kMaxDims = 4;
 
 int boundary_tag(int64_t stage, int64_t part) { return static_cast<int>(2 * stage + part); }
 
+// The modules of `chunks` registered under their names in the whole decoder, in its order;
+// `tied_copy`: the last stage's copy of the tied embedding too.
+std::shared_ptr<torch::nn::Module> whole_named_part(
+    const std::vector<Sharded<DecoderStage>>& chunks, bool tied_copy) {
+  auto part = std::make_shared<torch::nn::Module>();
+  for (const auto& chunk : chunks) {
+    if (chunk->first || (chunk->last && tied_copy)) {
+      part->register_module("tok_embeddings", chunk->whole->tok_embeddings);
+    }
+    if (chunk->first) part->register_module("pos_embeddings", chunk->whole->pos_embeddings);
+  }
+  auto layers = part->register_module("layers", std::make_shared<torch::nn::Module>());
+  for (const auto& chunk : chunks) {
+    for (size_t i = 0; i < chunk->layers.size(); ++i) {
+      layers->register_module(std::to_string(chunk->layer_indices[i]), chunk->layers[i].ptr());
+    }
+    if (chunk->last) part->register_module("norm", chunk->whole->norm);
+  }
+  return part;
+}
+
 }  // namespace
 
 at::Tensor next_byte_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
@@ -87,6 +108,8 @@ DecoderPipeline::DecoderPipeline(models::Transformer& whole, const TrainOptions&
     embedding_group_ = layout.mesh.world()->new_group("pp_embedding_" + std::to_string(position),
                                                       {position, (pp_ - 1) * stride + position});
   }
+  saved_part_ = whole_named_part(chunks_, /*tied_copy=*/false);
+  loaded_part_ = whole_named_part(chunks_, /*tied_copy=*/true);
   const GroupPtr tp = layout.tensor_parallel;
   auto loss_fn = [tp](const at::Tensor& logits, const at::Tensor& target) {
     return next_byte_cross_entropy(logits, target, tp);

@@ -70,6 +70,13 @@ class DecoderPipeline {
   // position: a collective over all ranks of the world.
   bool tied_copies_equal();
 
+  // This rank's stages under the whole decoder's names (a block by its index in it), so
+  // that the sharded checkpoints of a pipeline are the whole decoder's: what this rank
+  // saves (the last stage leaves the tied weight to stage 0, which saves it) and what it
+  // loads (the last stage's copy included, so both copies load the same values).
+  torch::nn::Module& saved_part() { return *saved_part_; }
+  torch::nn::Module& loaded_part() { return *loaded_part_; }
+
  private:
   at::Tensor tied_weight();  // this rank's copy; undefined on middle stages
 
@@ -78,6 +85,7 @@ class DecoderPipeline {
   std::vector<Sharded<DecoderStage>> chunks_;
   GroupPtr embedding_group_;  // null on middle stages
   std::unique_ptr<PipelineSchedule> schedule_;
+  std::shared_ptr<torch::nn::Module> saved_part_, loaded_part_;
 };
 
 }  // namespace hp::trainer

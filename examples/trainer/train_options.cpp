@@ -237,8 +237,8 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
       ->group("Checkpoints");
   app.add_option("--resume", o.resume,
                  "auto: continue from the newest complete checkpoint under --save (a fresh start "
-                 "when there is none); PATH: from that sharded checkpoint or --export directory, "
-                 "on any --mesh")
+                 "when there is none); PATH: from that sharded checkpoint (on any --mesh, with or "
+                 "without --pp) or --export directory (on any --mesh, without --pp)")
       ->group("Checkpoints");
   app.add_option("--grace-period", o.grace_period,
                  "on SIGTERM or SIGINT (a preemption) the ranks finish their step, save a "
@@ -311,9 +311,14 @@ std::string pipeline_contradiction(const TrainOptions& o) {
   if (o.tp > 1 || o.cp > 1 || o.ep > 1 || o.experts > 0) {
     return "--pp does not compose with --tp, --cp, --ep or --experts yet; drop one of them";
   }
-  if (!o.save.empty() || !o.resume.empty() || !o.export_dir.empty()) {
-    return "--pp does not compose with --save, --resume or --export yet (checkpoints per "
-           "stage are not built); drop them";
+  if (!o.export_dir.empty()) {
+    return "--pp does not compose with --export yet (each stage holds part of the model); "
+           "--save a checkpoint, resume it without --pp and --export from there";
+  }
+  if (o.error_feedback && (!o.save.empty() || !o.resume.empty())) {
+    return "--pp with --error-feedback does not compose with --save or --resume yet: the last "
+           "stage's copy of the tied embedding keeps residuals of its own, which the whole "
+           "decoder's checkpoint has no entry for; drop --error-feedback or the checkpoints";
   }
   return "";
 }

@@ -13,9 +13,9 @@
 // Parameters and buffers are named by their fully qualified names ("layers.0.attn.wq.weight",
 // as PyTorch names them), optimizer state "optim/<parameter name>.<field>" (the names of
 // get_full_optimizer_state_dict), extras "extra/<name>" and, with CommPolicy::error_feedback,
-// each rank's residuals "error_feedback/<parameter name>" (a row per rank). HSDP replicas write one copy of
-// each shard (replicate rank 0); parameters kept whole (replicated, ignored) and buffers
-// are written by rank 0.
+// each rank's residuals "error_feedback/<parameter name>" (a row per rank). HSDP replicas write one
+// copy of each shard (replicate rank 0); parameters kept whole (replicated, ignored) and buffers
+// are written by rank 0, so every rank must hold the same ones.
 //
 // PyTorch reads it with its Distributed Checkpoint: each file's header carries the
 // DCP_SHARDING_INFO that torch.distributed.checkpoint.HuggingFaceStorageReader reads, so
@@ -46,9 +46,13 @@ namespace hp {
 // Writes `model`'s parameters and buffers, `optimizer`'s per-parameter state (Adam,
 // AdamW, SGD; none when null) and `extra` (small tensors the program keeps with the
 // checkpoint, e.g. its step, data position and RNG state; whole, written by rank 0) into
-// the directory `dir`, replacing a checkpoint already there. A collective over the ranks
-// of the model's fully_shard mesh (a model without fully_shard is saved by the calling
-// process alone); call it on every rank between steps. It returns once the checkpoint is
+// the directory `dir`, replacing a checkpoint already there. A collective over every rank
+// of the World of the model's fully_shard mesh (a model without fully_shard is saved by
+// the calling process alone); call it on every rank between steps. A model split over the
+// ranks (pipeline stages) is saved by each rank passing a module of the part it holds,
+// named as in the whole model ("layers.5..."): the checkpoint is then the whole model's,
+// loadable with or without stages. A parameter two stages hold alike (a tied embedding's
+// copy) is passed by one of them. It returns once the checkpoint is
 // complete on disk, on every rank; when any rank fails to write, every rank throws
 // c10::Error naming the ranks that failed (each adds its own reason) and nothing
 // is saved.
@@ -62,7 +66,8 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
 // FSDP2 model, or consolidated whole tensors), by the model's fully qualified names; those
 // hold no optimizer state nor extras, and no CRCs to check. Names and
 // shapes are checked before any tensor is read (c10::ValueError naming the
-// checkpoint and the entry; strict: every model and optimizer entry must be used). Every
+// checkpoint and the entry; strict: every model and optimizer entry must be used by
+// some rank, as each pipeline stage loads only the part it holds). Every
 // piece read is checked against its CRC-32: a damaged one throws c10::Error
 // naming the file and the tensor. A collective like the save: when any rank fails, every
 // rank throws. Call it between steps, after fully_shard (also on a deferred model,

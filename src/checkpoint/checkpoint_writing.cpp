@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 
@@ -96,6 +97,31 @@ std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
   return std::move(pieces.pieces);
 }
 
+// Tensors kept whole (buffers, parameters neither sharded nor sliced) are written by rank
+// 0 alone, so every rank must hold the same ones: a model split into pipeline stages may
+// not keep them on one stage only. Compares a digest of their names over the World.
+void require_same_whole_tensors(const std::vector<ModelParam>& params, torch::nn::Module& model,
+                                World& world, const std::string& caller) {
+  std::string names;
+  for (const auto& p : params) {
+    if (!p.shard && !p.parallel_slice) names += p.name + '\n';
+  }
+  for (const auto& item : model.named_buffers()) names += item.key() + '\n';
+  const at::Tensor digest =
+      at::full({1}, static_cast<int64_t>(std::hash<std::string>()(names)), at::kLong);
+  at::Tensor digests = at::empty({world.size()}, at::kLong);
+  all_gather(digests, digest, *world.world_group()).wait();
+  for (int64_t r = 1; r < world.size(); ++r) {
+    if (digests[r].item<int64_t>() != digests[0].item<int64_t>()) {
+      C10_THROW_ERROR(ValueError,
+                      caller + ": rank " + std::to_string(r) +
+                          " holds buffers or whole parameters that differ from rank 0's, which "
+                          "alone writes them (pipeline stages with buffers of their own?); keep "
+                          "them on every rank, or fully_shard the parameters");
+    }
+  }
+}
+
 }  // namespace
 
 RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
@@ -106,6 +132,7 @@ RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
     if (p.shard) require_sharded(*p.shard, p.name, caller.c_str());
   }
   RankSave save{world_of(params, caller), {}};
+  if (save.world) require_same_whole_tensors(params, model, *save.world, caller);
   save.pieces =
       pieces_of_rank(params, model, optimizer, extra, !save.world || save.world->rank() == 0);
   for (RankPiece& piece : error_feedback_residual_pieces(params)) {

@@ -50,9 +50,19 @@ std::vector<RankPiece> error_feedback_residual_pieces(const std::vector<ModelPar
   return pieces;
 }
 
+std::set<std::string> error_feedback_residual_entries(const std::vector<ModelParam>& params,
+                                                      const FullTensorSource& source) {
+  std::set<std::string> used;
+  for (const auto& p : params) {
+    if (p.shard && !p.shard->error_feedback_residual_shape().empty() && source.shape_of(p.name)) {
+      used.insert(p.name);
+    }
+  }
+  return used;
+}
+
 void load_error_feedback_residuals(const std::vector<ModelParam>& params,
                                    const FullTensorSource& source, const std::string& caller) {
-  std::set<std::string> used;
   std::vector<std::string> other_mesh;
   for (const auto& p : params) {
     if (!p.shard) continue;
@@ -61,7 +71,6 @@ void load_error_feedback_residuals(const std::vector<ModelParam>& params,
     const std::optional<c10::IntArrayRef> saved = source.shape_of(p.name);
     at::Tensor residual;  // zeros unless the checkpoint has this mesh's
     if (saved) {
-      used.insert(p.name);
       const std::vector<int64_t> expected = whole_shape(p, shape);
       if (*saved == c10::IntArrayRef(expected)) {
         residual = source.read_part(p.name, 0, residual_row(p).row, 1).squeeze(0);
@@ -77,6 +86,11 @@ void load_error_feedback_residuals(const std::vector<ModelParam>& params,
                " were saved on another mesh, so ", other_mesh.size(), " of them start from zero (",
                other_mesh.front(), ")");
   }
+}
+
+void warn_unused_error_feedback_residuals(const FullTensorSource& source,
+                                          const std::set<std::string>& used,
+                                          const std::string& caller) {
   for (const auto& name : source.names) {
     if (!used.contains(name)) {
       TORCH_WARN(caller, ": ", source.description,

@@ -134,23 +134,25 @@ void for_each_full_optimizer_tensor(torch::nn::Module& model, torch::optim::Opti
 }  // namespace
 
 namespace detail {
+namespace {
 
-void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                          const FullTensorSource& source, bool strict, const std::string& caller) {
-  c10::NoGradGuard no_grad;
-  const StateCodec codec = codec_for(optimizer);
-  const std::vector<detail::ModelParam> params = detail::model_params(model);
-  // What each parameter gets, checked completely before anything is replaced, so that a
-  // bad state dict or file leaves the optimizer unchanged.
+// What loading gives each parameter of `params` from `source`, and the entries it reads.
+struct OptimizerLoadPlan {
   struct Planned {
-    const detail::ModelParam* param;
+    const ModelParam* param;
     std::vector<std::string> fields;
     bool has_step = false;
   };
-  std::vector<Planned> plan;
+  std::vector<Planned> planned;
   std::set<std::string> used;
+};
+
+OptimizerLoadPlan plan_optimizer_load(const std::vector<ModelParam>& params,
+                                      const StateCodec& codec, const FullTensorSource& source,
+                                      const std::string& caller) {
+  OptimizerLoadPlan plan;
   for (const auto& p : params) {
-    Planned planned{&p, {}, false};
+    OptimizerLoadPlan::Planned planned{&p, {}, false};
     for (const auto& field : codec.field_names) {
       const std::string key = p.name + "." + field;
       const std::optional<c10::IntArrayRef> shape = source.shape_of(key);
@@ -161,7 +163,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
                                         c10::str(c10::IntArrayRef(p.whole_shape)));
       }
       planned.fields.push_back(field);
-      used.insert(key);
+      plan.used.insert(key);
     }
     const std::string step_key = p.name + ".step";
     if (const std::optional<c10::IntArrayRef> shape = source.shape_of(step_key)) {
@@ -170,23 +172,43 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
                                         " in " + source.description + "; one number expected");
       }
       planned.has_step = true;
-      used.insert(step_key);
+      plan.used.insert(step_key);
     }
     if (planned.fields.empty()) continue;
     if (codec.has_step && !planned.has_step) {
       C10_THROW_ERROR(ValueError, caller + ": no entry '" + step_key +
                                       "' beside its other state in " + source.description);
     }
-    plan.push_back(std::move(planned));
+    plan.planned.push_back(std::move(planned));
   }
-  detail::require_all_used(source, used, strict, caller,
+  return plan;
+}
+
+}  // namespace
+
+std::set<std::string> optimizer_entries(torch::nn::Module& model,
+                                        torch::optim::Optimizer& optimizer,
+                                        const FullTensorSource& source, const std::string& caller) {
+  return plan_optimizer_load(detail::model_params(model), codec_for(optimizer), source, caller)
+      .used;
+}
+
+void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                          const FullTensorSource& source, bool strict, const std::string& caller) {
+  c10::NoGradGuard no_grad;
+  const StateCodec codec = codec_for(optimizer);
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
+  // Checked completely before anything is replaced, so that a bad state dict or file
+  // leaves the optimizer unchanged.
+  const OptimizerLoadPlan plan = plan_optimizer_load(params, codec, source, caller);
+  detail::require_all_used(source, plan.used, strict, caller,
                            "no state of this optimizer for a parameter of the model");
 
   // Only this model's parameters: the optimizer may hold others too. Dropped first, so
   // that old and new state are not held together.
   for (const auto& p : params) optimizer.state().erase(p.variable.unsafeGetTensorImpl());
   try {
-    for (const auto& planned : plan) {
+    for (const auto& planned : plan.planned) {
       const detail::ModelParam& p = *planned.param;
       // The local part goes where the parameter's data lives (the host, when offloaded).
       const at::TensorOptions options = p.shard ? p.shard->local().options() : p.variable.options();

@@ -16,7 +16,9 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
+#include <set>
 
 #include "../distributed/error_message.h"
 #include "../materialize/model_params.h"
@@ -24,6 +26,7 @@
 #include "checkpoint_writing.h"
 #include "error_feedback_residuals.h"
 #include "full_tensor_source.h"
+#include "hyperparallel/collectives.h"
 #include "safetensors_file.h"
 #include "state_io.h"
 
@@ -233,6 +236,22 @@ class ShardedCheckpointReader {
   std::map<std::string, std::unique_ptr<detail::SafetensorsReader>> files_;
 };
 
+// Adds to `used` the entries of `source` that other ranks of `group` use: strict loading
+// asks that every entry be used by some rank, since each pipeline stage loads only its
+// own layers. The index, hence the order of `source.names`, is the same on every rank.
+void add_entries_used_elsewhere(const detail::FullTensorSource& source, std::set<std::string>& used,
+                                const Group* group) {
+  if (!group || group->size() == 1 || source.names.empty()) return;
+  const auto entries = static_cast<int64_t>(source.names.size());
+  at::Tensor marks = at::zeros({entries}, at::kInt);
+  int* mark = marks.data_ptr<int>();
+  for (int64_t i = 0; i < entries; ++i) mark[i] = used.count(source.names[i]) ? 1 : 0;
+  all_reduce(marks, ReduceOp::kMax, *group).wait();
+  for (int64_t i = 0; i < entries; ++i) {
+    if (mark[i] != 0) used.insert(source.names[i]);
+  }
+}
+
 }  // namespace
 
 void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
@@ -248,21 +267,44 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
                                   torch::optim::Optimizer* optimizer, bool strict) {
   const std::string caller = "load_sharded_checkpoint";
   const std::vector<detail::ModelParam> params = detail::model_params(model);
-  StateDict extra;
   const std::shared_ptr<World> world = detail::world_of(params, caller);
-  detail::on_every_rank(
-      world ? world->world_group().get() : nullptr, caller, "loading " + dir, [&] {
-        ShardedCheckpointReader reader(dir, caller);
-        detail::load_model_state(model, reader.model_source(), strict, caller);
-        if (optimizer) {
-          detail::load_optimizer_state(model, *optimizer, reader.source(detail::kOptimizerPrefix),
-                                       strict, caller);
-        }
-        detail::load_error_feedback_residuals(params, reader.source(detail::kResidualPrefix),
-                                              caller);
-        const detail::FullTensorSource extras = reader.source(detail::kExtraPrefix);
-        for (const auto& name : extras.names) extra.insert(name, extras.read(name));
-      });
+  const Group* group = world ? world->world_group().get() : nullptr;
+  std::optional<ShardedCheckpointReader> reader;
+  detail::FullTensorSource model_source, optimizer_source, residual_source;
+  std::set<std::string> model_used, optimizer_used, residual_used;
+  detail::on_every_rank(group, caller, "checking " + dir + " against the model", [&] {
+    reader.emplace(dir, caller);
+    model_source = reader->model_source();
+    model_used = detail::model_entries(model, model_source, caller);
+    if (optimizer) {
+      optimizer_source = reader->source(detail::kOptimizerPrefix);
+      optimizer_used = detail::optimizer_entries(model, *optimizer, optimizer_source, caller);
+    }
+    residual_source = reader->source(detail::kResidualPrefix);
+    residual_used = detail::error_feedback_residual_entries(params, residual_source);
+  });
+  // Every rank reached here: the unions are taken on all of them, and all agree.
+  add_entries_used_elsewhere(residual_source, residual_used, group);
+  if (strict) {
+    add_entries_used_elsewhere(model_source, model_used, group);
+    add_entries_used_elsewhere(optimizer_source, optimizer_used, group);
+    const std::string anywhere = group && group->size() > 1 ? " on any rank" : "";
+    detail::require_all_used(model_source, model_used, strict, caller,
+                             "not a parameter or buffer of the model" + anywhere);
+    detail::require_all_used(optimizer_source, optimizer_used, strict, caller,
+                             "no state of this optimizer for a parameter of the model" + anywhere);
+  }
+  StateDict extra;
+  detail::on_every_rank(group, caller, "loading " + dir, [&] {
+    detail::load_model_state(model, model_source, /*strict=*/false, caller);
+    if (optimizer) {
+      detail::load_optimizer_state(model, *optimizer, optimizer_source, /*strict=*/false, caller);
+    }
+    detail::load_error_feedback_residuals(params, residual_source, caller);
+    detail::warn_unused_error_feedback_residuals(residual_source, residual_used, caller);
+    const detail::FullTensorSource extras = reader->source(detail::kExtraPrefix);
+    for (const auto& name : extras.names) extra.insert(name, extras.read(name));
+  });
   return extra;
 }
 

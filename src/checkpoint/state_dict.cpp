@@ -51,10 +51,8 @@ void for_each_full_tensor(torch::nn::Module& model, const char* caller,
 
 namespace detail {
 
-void load_model_state(torch::nn::Module& model, const FullTensorSource& source, bool strict,
-                      const std::string& caller) {
-  c10::NoGradGuard no_grad;
-  const std::vector<detail::ModelParam> params = detail::model_params(model);
+std::set<std::string> model_entries(torch::nn::Module& model, const FullTensorSource& source,
+                                    const std::string& caller) {
   std::set<std::string> used;
   auto require_whole = [&](const std::string& name, c10::IntArrayRef shape) {
     const std::optional<c10::IntArrayRef> found = source.shape_of(name);
@@ -71,14 +69,22 @@ void load_model_state(torch::nn::Module& model, const FullTensorSource& source, 
     }
     used.insert(name);
   };
-  // Everything the names and shapes tell is checked first, so that a bad state dict or
-  // file leaves the model unchanged.
-  for (const auto& p : params) {
+  for (const auto& p : detail::model_params(model)) {
     if (p.shard) detail::require_sharded(*p.shard, p.name, caller.c_str());
     require_whole(p.name, p.whole_shape);
   }
   for (const auto& item : model.named_buffers()) require_whole(item.key(), item.value().sizes());
-  detail::require_all_used(source, used, strict, caller, "not a parameter or buffer of the model");
+  return used;
+}
+
+void load_model_state(torch::nn::Module& model, const FullTensorSource& source, bool strict,
+                      const std::string& caller) {
+  c10::NoGradGuard no_grad;
+  // Everything the names and shapes tell is checked first, so that a bad state dict or
+  // file leaves the model unchanged.
+  detail::require_all_used(source, model_entries(model, source, caller), strict, caller,
+                           "not a parameter or buffer of the model");
+  const std::vector<detail::ModelParam> params = detail::model_params(model);
   try {
     // A model made by deferred_init may be loaded instead of materialized: its tensors
     // then take their values from here.

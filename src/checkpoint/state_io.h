@@ -7,17 +7,29 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "full_tensor_source.h"
 
 namespace hp::detail {
 
+// The entries of `source` that load_model_state reads for `model`, once it checked that
+// every parameter and buffer has one of its whole shape (c10::ValueError naming `caller`).
+std::set<std::string> model_entries(torch::nn::Module& model, const FullTensorSource& source,
+                                    const std::string& caller);
+
 // Every parameter and buffer of `model` from `source`. Names and shapes are checked
-// completely before anything changes; then each tensor is read, one at a time, and each
-// rank keeps only its part. Errors name `caller`.
+// completely before anything changes (strict: also that model_entries are all of
+// `source`); then each tensor is read, one at a time, and each rank keeps only its part.
+// Errors name `caller`.
 void load_model_state(torch::nn::Module& model, const FullTensorSource& source, bool strict,
                       const std::string& caller);
+
+// The entries of `source` that load_optimizer_state reads, their shapes checked.
+std::set<std::string> optimizer_entries(torch::nn::Module& model,
+                                        torch::optim::Optimizer& optimizer,
+                                        const FullTensorSource& source, const std::string& caller);
 
 // The optimizer's per-parameter state of `model`'s parameters from `source` (entries
 // named like get_full_optimizer_state_dict's).

@@ -2,7 +2,8 @@
 // and world size into exactly the saved state (compared with the full state gathered
 // independently); Python reads it with safetensors; damaged, incomplete and unwritable
 // checkpoints are refused on every rank; a save whose rank 0 is killed at any point
-// leaves a complete earlier checkpoint, never a mixed one.
+// leaves a complete earlier checkpoint, never a mixed one; pipeline stages save their
+// parts of the whole model.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -107,6 +108,107 @@ HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
     EXPECT_TRUE(run_python(dir, script)) << "python3 has no torch: Python's reading untested";
     fs::remove_all(dir);
   }
+}
+
+// Layers [begin, end) of `whole` under their names in it, as a pipeline stage holds them;
+// the first part also holds the embeddings, the last the final norm.
+struct ModelPartImpl : torch::nn::Module {
+  ModelPartImpl(Transformer& whole, int64_t begin, int64_t end, bool last) {
+    if (begin == 0) {
+      register_module("tok_embeddings", whole->tok_embeddings);
+      register_module("pos_embeddings", whole->pos_embeddings);
+    }
+    auto layers = register_module("layers", std::make_shared<torch::nn::Module>());
+    for (int64_t i = begin; i < end; ++i) {
+      blocks.push_back(whole->layers[i]);
+      layers->register_module(std::to_string(i), blocks.back().ptr());
+    }
+    if (last) register_module("norm", whole->norm);
+  }
+  std::vector<Sharded<models::DecoderBlock>> blocks;
+};
+TORCH_MODULE(ModelPart);
+
+// A model split over two ranks (pipeline stages, each fully_shard-ed over its own one-rank
+// mesh): each rank saves its part under the whole model's names. The checkpoint loads into
+// the whole model sharded over both ranks, and back into the parts (strict: every entry is
+// some rank's); an entry no rank's part holds is refused on every rank, by name.
+HP_DIST_TEST(ShardedCheckpoint, PipelineStagesSaveTheirPartsUnderTheWholeModelsNames, 2) {
+  auto world = testing::world();
+  const int64_t rank = world->rank();
+  const std::string dir = shared_dir("hp_sharded_stages");
+  const std::string checkpoint = checkpoint_dir_for_step(dir, 1);
+  FullyShardOptions stage;
+  stage.mesh = DeviceMesh(world, {{"pp", 2}, {"dp_shard", 1}}).slice({"dp_shard"});
+  const int64_t layers = checkpoint_config().layers;
+  const auto part_of = [&](int64_t begin, int64_t end) {
+    torch::manual_seed(42);
+    Transformer whole(checkpoint_config());
+    Sharded<ModelPart> part(ModelPart(whole, begin, end, /*last=*/rank == 1));
+    for (auto& block : part->blocks) fully_shard(block, stage);
+    fully_shard(part, stage);
+    return part;
+  };
+  const int64_t begin = rank == 0 ? 0 : layers / 2, end = rank == 0 ? layers / 2 : layers;
+  Sharded<ModelPart> saved = part_of(begin, end);
+  torch::optim::AdamW opt(saved->parameters(), torch::optim::AdamWOptions(1e-2));
+  {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(100 + rank);
+    for (at::Tensor& param : saved->parameters()) param.mutable_grad() = torch::randn_like(param);
+  }
+  opt.step();
+  save_sharded_checkpoint(checkpoint, *saved, &opt);
+  // Each part's state by the independent gather path, for the other rank too.
+  const auto file = [&](const std::string& what, int64_t r) {
+    return dir + "/" + what + "_" + std::to_string(r) + ".pt";
+  };
+  write_state_dict_file(get_full_state_dict(*saved), file("model", rank));
+  write_state_dict_file(get_full_optimizer_state_dict(*saved, opt), file("optim", rank));
+  barrier(*world->world_group()).wait();
+  StateDict expected_model, expected_optim;
+  for (int64_t r = 0; r < 2; ++r) {
+    for (const auto& item : read_state_dict_file(file("model", r))) {
+      expected_model.insert(item.key(), item.value());
+    }
+    for (const auto& item : read_state_dict_file(file("optim", r))) {
+      expected_optim.insert(item.key(), item.value());
+    }
+  }
+
+  Sharded<Transformer> whole = sharded_transformer(7, {});
+  torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2));
+  load_sharded_checkpoint(checkpoint, *whole, &whole_opt);
+  expect_equal_dicts(get_full_state_dict(*whole), expected_model);
+  expect_equal_dicts(get_full_optimizer_state_dict(*whole, whole_opt), expected_optim);
+
+  Sharded<ModelPart> loaded = part_of(begin, end);
+  torch::optim::AdamW loaded_opt(loaded->parameters(), torch::optim::AdamWOptions(1e-2));
+  load_sharded_checkpoint(checkpoint, *loaded, &loaded_opt);
+  expect_equal_dicts(get_full_state_dict(*loaded), read_state_dict_file(file("model", rank)));
+  expect_equal_dicts(get_full_optimizer_state_dict(*loaded, loaded_opt),
+                     read_state_dict_file(file("optim", rank)));
+
+  // The last layer on no rank.
+  Sharded<ModelPart> short_of_one = part_of(begin, rank == 0 ? end : end - 1);
+  const std::string refused = error_of([&] { load_sharded_checkpoint(checkpoint, *short_of_one); });
+  EXPECT_TRUE(contains(refused, "'layers." + std::to_string(layers - 1) + ".") &&
+              contains(refused, "is not a parameter or buffer of the model on any rank"))
+      << refused;
+  EXPECT_EQ(error_of([&] {
+              load_sharded_checkpoint(checkpoint, *short_of_one, nullptr, /*strict=*/false);
+            }),
+            "no error");
+
+  // Rank 0 alone writes buffers: a stage's own buffer is refused on every rank.
+  if (rank == 1) saved->register_buffer("stage_buffer", torch::zeros({2}));
+  const std::string unsaved = error_of([&] { save_sharded_checkpoint(dir + "/other", *saved); });
+  EXPECT_TRUE(
+      contains(unsaved, "rank 1 holds buffers or whole parameters that differ from rank 0's"))
+      << unsaved;
+  EXPECT_FALSE(fs::exists(dir + "/other"));
+  barrier(*world->world_group()).wait();
+  if (rank == 0) fs::remove_all(dir);
 }
 
 // No rank gathers anything: saving holds no whole tensor, loading at most the pieces one
