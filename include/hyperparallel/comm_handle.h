@@ -56,6 +56,9 @@ class CommHandle {
   // no report of its own, no callback (collectives still in flight keep their buffers).
   void wait();
 
+  // Destroying the last copy of a pending handle does not wait: the collective finishes
+  // on its own, but the callback never runs and a failure is never reported.
+
   // True until wait() has run to its end: there is work or a callback still to consume.
   bool pending() const;
 

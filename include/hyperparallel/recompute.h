@@ -38,7 +38,9 @@ enum class RecomputeImpl {
 struct RecomputeOptions {
   RecomputeImpl impl = RecomputeImpl::kNonReentrant;
   // Put the random generators (CPU, and the devices of the inputs) back to their
-  // forward-time state for the rerun, so that dropout draws the same masks.
+  // forward-time state for the rerun, so that dropout draws the same masks. false: the
+  // rerun draws on from where the generators are (other masks), advancing them by what it
+  // drew, which early stop makes less than a whole rerun.
   bool preserve_rng_state = true;
   // Early stop (non-reentrant only; unset means on for it): the rerun ends as soon as it
   // has saved every tensor the forward saved, so what follows the last saved tensor does

@@ -1,4 +1,5 @@
-// The trainer (examples/train_decoder) as a user runs it, on this repository's docs: a
+// The trainer (examples/train_decoder) as a user runs it, on a frozen copy of this
+// repository's docs (tests/data/corpus): a
 // short run learns below the unigram baseline and writes a metrics file and a loss curve
 // that agree with what it printed; under hp-run's restarts, a run whose ranks are killed
 // at random steps resumes from its newest sharded checkpoint (--resume auto) and ends with the
@@ -49,12 +50,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The text every run trains on, as --data flags: a frozen copy of the docs, so that editing
+// the docs moves no test's losses (tests/data/README.md).
+std::string corpus_flags() {
+  const std::string corpus = std::string(HP_SOURCE_DIR) + "/tests/data/corpus";
+  return " --data " + corpus + "/docs --data " + corpus + "/README.md ";
+}
+
 // hp-run training a small model on `ranks` ranks (mesh `mesh`).
 std::string train_command(int ranks, const std::string& mesh, const std::string& hp_run_flags,
                           const std::string& trainer_flags) {
   return std::string(HP_RUN_PATH) + " -n " + std::to_string(ranks) + " --timeout 120 " +
-         hp_run_flags + " -- " + TRAIN_DECODER_PATH + " --data " + HP_SOURCE_DIR + "/docs --data " +
-         HP_SOURCE_DIR + "/README.md --mesh " + mesh +
+         hp_run_flags + " -- " + TRAIN_DECODER_PATH + corpus_flags() + "--mesh " + mesh +
          " --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 --sample-bytes 40 " + trainer_flags;
 }
 
@@ -466,8 +473,7 @@ TEST(Trainer, MalformedConfigsUnknownKeysAndNonFiniteNumbersAreUsageErrors) {
   fs::create_directories(dir.path);
   const std::string config = (dir.path / "run.toml").string();
   const auto parse = [&](const std::string& flags) {
-    return run_program(std::string(TRAIN_DECODER_PATH) + " --data " + HP_SOURCE_DIR + "/docs " +
-                       flags);
+    return run_program(std::string(TRAIN_DECODER_PATH) + corpus_flags() + flags);
   };
   const std::vector<std::pair<std::string, std::string>> configs = {
       {"steps = [1, 2\n", "--config: not valid TOML at line 1"},
@@ -517,12 +523,11 @@ TEST(Trainer, TensorContextAndExpertParallelTrainLikeDataParallel) {
   const std::string parallel_out = (dir.path / "parallel").string();
   const std::string flags = "--steps 3 --log-every 1 --experts 4 --out ";
   const ProgramRun plain = train("", flags + plain_out);
-  const ProgramRun parallel =
-      run_program(std::string(HP_RUN_PATH) + " -n 8 --timeout 120 -- " + TRAIN_DECODER_PATH +
-                  " --data " + HP_SOURCE_DIR + "/docs --data " + HP_SOURCE_DIR +
-                  "/README.md --mesh 1x2 --tp 2 --cp 2 --ep 2 --batch 16 --lr 1e-2 --warmup 10 "
-                  "--eval-batches 4 " +
-                  flags + parallel_out);
+  const ProgramRun parallel = run_program(
+      std::string(HP_RUN_PATH) + " -n 8 --timeout 120 -- " + TRAIN_DECODER_PATH + corpus_flags() +
+      "--mesh 1x2 --tp 2 --cp 2 --ep 2 --batch 16 --lr 1e-2 --warmup 10 "
+      "--eval-batches 4 " +
+      flags + parallel_out);
   ASSERT_EQ(parallel.exit_code == 0, plain.exit_code == 0) << parallel.output;
   for (const auto& [field, tolerance] :
        {std::pair<std::string, double>{"loss", 2e-4}, {"grad_norm", 2e-3}}) {
@@ -556,7 +561,7 @@ TEST(Trainer, TimeoutFlagNamesARankThatNeverStarts) {
   const ProgramRun run =
       run_program("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                   std::to_string(find_free_port()) + " HP_TIMEOUT_S=600 " + TRAIN_DECODER_PATH +
-                  " --data " + HP_SOURCE_DIR + "/README.md --mesh 1x2 --timeout 3");
+                  corpus_flags() + "--mesh 1x2 --timeout 3");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(run.exit_code, 1) << run.output;
@@ -584,9 +589,8 @@ TEST(Trainer, TorchrunLaunchesAndRestartsTheTrainer) {
   const ProgramRun run = run_program(
       "OMP_NUM_THREADS=1 python3 " + std::string(HP_SOURCE_DIR) +
       "/tools/torchrun.py --nproc-per-node 2 --max-restarts 1 --master-port " +
-      std::to_string(find_free_port()) + " --no-python " + TRAIN_DECODER_PATH + " --data " +
-      HP_SOURCE_DIR + "/docs --data " + HP_SOURCE_DIR +
-      "/README.md --mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 "
+      std::to_string(find_free_port()) + " --no-python " + TRAIN_DECODER_PATH + corpus_flags() +
+      "--mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 "
       "--sample-bytes 40 --timeout 60 --steps 60 --save-every 20 --resume auto --fail-at-step 45 "
       "--save " +
       save);
