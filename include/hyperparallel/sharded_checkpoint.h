@@ -15,7 +15,7 @@
 // get_full_optimizer_state_dict), extras "extra/<name>" and, with CommPolicy::error_feedback,
 // each rank's residuals "error_feedback/<parameter name>" (a row per rank). HSDP replicas write one
 // copy of each shard (replicate rank 0); parameters kept whole (replicated, ignored) and buffers
-// are written by rank 0, so every rank must hold the same ones.
+// once, by the lowest rank holding each (rank 0, unless a pipeline stage holds its own).
 //
 // PyTorch reads it with its Distributed Checkpoint: each file's header carries the
 // DCP_SHARDING_INFO that torch.distributed.checkpoint.HuggingFaceStorageReader reads, so

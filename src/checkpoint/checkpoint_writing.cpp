@@ -5,12 +5,16 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
+#include <sstream>
 
 #include "checkpoint_index.h"
 #include "durable_files.h"
@@ -44,11 +48,14 @@ struct PieceList {
   }
 };
 
-// What this rank writes. Pieces several ranks hold alike (a parameter that is not a
-// parallel slice, on every rank of a tensor-parallel group) are indexed once.
+// What this rank writes: of the tensors kept whole, those named in `whole_written_here`;
+// `extra` on rank 0. Pieces several ranks hold alike (a parameter that is not a parallel
+// slice, on every rank of a tensor-parallel group) are indexed once.
 std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
                                       torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                                      const StateDict& extra, bool is_rank0) {
+                                      const StateDict& extra,
+                                      const std::set<std::string>& whole_written_here,
+                                      bool is_rank0) {
   PieceList pieces;
   for (const auto& p : params) {
     const std::optional<ParamOptimizerState> state =
@@ -62,7 +69,7 @@ std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
       slice_offsets[dim] = group.rank() * (p.whole_shape[dim] / group.size());
     }
     if (!p.shard) {
-      if (!is_rank0 && !p.parallel_slice) continue;
+      if (!p.parallel_slice && !whole_written_here.contains(p.name)) continue;
       pieces.add(p.name, p.variable, slice_offsets, p.whole_shape);
       if (!state) continue;
       for (const auto& [field, value] : state->fields) {
@@ -88,38 +95,62 @@ std::vector<RankPiece> pieces_of_rank(const std::vector<ModelParam>& params,
       pieces.add_whole(optim_name + "step", at::scalar_tensor(*state->step, at::kLong));
     }
   }
+  for (const auto& item : model.named_buffers()) {
+    if (whole_written_here.contains(item.key())) pieces.add_whole(item.key(), item.value());
+  }
   if (is_rank0) {
-    for (const auto& item : model.named_buffers()) {
-      pieces.add_whole(item.key(), item.value());
-    }
     for (const auto& item : extra) pieces.add_whole(kExtraPrefix + item.key(), item.value());
   }
   return std::move(pieces.pieces);
 }
 
-// Tensors kept whole (buffers, parameters neither sharded nor sliced) are written by rank
-// 0 alone, so every rank must hold the same ones: a model split into pipeline stages may
-// not keep them on one stage only. Compares a digest of their names over the World.
-void require_same_whole_tensors(const std::vector<ModelParam>& params, torch::nn::Module& model,
-                                World& world, const std::string& caller) {
-  std::string names;
+// The names of the tensors this rank keeps whole: buffers, parameters neither sharded nor
+// sliced.
+std::vector<std::string> whole_tensor_names(const std::vector<ModelParam>& params,
+                                            torch::nn::Module& model) {
+  std::vector<std::string> names;
   for (const auto& p : params) {
-    if (!p.shard && !p.parallel_slice) names += p.name + '\n';
+    if (!p.shard && !p.parallel_slice) names.push_back(p.name);
   }
-  for (const auto& item : model.named_buffers()) names += item.key() + '\n';
-  const at::Tensor digest =
-      at::full({1}, static_cast<int64_t>(std::hash<std::string>()(names)), at::kLong);
-  at::Tensor digests = at::empty({world.size()}, at::kLong);
-  all_gather(digests, digest, *world.world_group()).wait();
-  for (int64_t r = 1; r < world.size(); ++r) {
-    if (digests[r].item<int64_t>() != digests[0].item<int64_t>()) {
-      C10_THROW_ERROR(ValueError,
-                      caller + ": rank " + std::to_string(r) +
-                          " holds buffers or whole parameters that differ from rank 0's, which "
-                          "alone writes them (pipeline stages with buffers of their own?); keep "
-                          "them on every rank, or fully_shard the parameters");
-    }
+  for (const auto& item : model.named_buffers()) names.push_back(item.key());
+  return names;
+}
+
+// Every member's `text`, in group-rank order (two all-gathers: the lengths, then the bytes).
+std::vector<std::string> all_gather_text(const std::string& text, const Group& group) {
+  at::Tensor lengths = at::empty({group.size()}, at::kLong);
+  all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), at::kLong), group).wait();
+  const int64_t longest = std::max<int64_t>(lengths.max().item<int64_t>(), 1);
+  at::Tensor mine = at::zeros({longest}, at::kByte);
+  std::memcpy(mine.data_ptr(), text.data(), text.size());
+  at::Tensor all = at::empty({group.size() * longest}, at::kByte);
+  all_gather(all, mine, group).wait();
+  std::vector<std::string> texts;
+  const auto* bytes = static_cast<const char*>(all.const_data_ptr());
+  for (int64_t r = 0; r < group.size(); ++r) {
+    texts.emplace_back(bytes + r * longest, lengths[r].item<int64_t>());
   }
+  return texts;
+}
+
+// Of this rank's tensors kept whole, those it writes: the ones no lower World rank holds.
+// Each is written once, by the first rank holding it: rank 0 for a model every rank holds
+// alike, a stage's first rank for what only a pipeline stage holds.
+std::set<std::string> whole_tensors_written_here(const std::vector<std::string>& names,
+                                                 World& world) {
+  std::string text;
+  for (const auto& name : names) text += name + '\n';
+  const std::vector<std::string> texts = all_gather_text(text, *world.world_group());
+  std::set<std::string> held_below;
+  for (int64_t r = 0; r < world.rank(); ++r) {
+    std::istringstream lines(texts[r]);
+    for (std::string name; std::getline(lines, name);) held_below.insert(name);
+  }
+  std::set<std::string> written;
+  for (const auto& name : names) {
+    if (!held_below.contains(name)) written.insert(name);
+  }
+  return written;
 }
 
 }  // namespace
@@ -132,9 +163,12 @@ RankSave rank_save(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
     if (p.shard) require_sharded(*p.shard, p.name, caller.c_str());
   }
   RankSave save{world_of(params, caller), {}};
-  if (save.world) require_same_whole_tensors(params, model, *save.world, caller);
-  save.pieces =
-      pieces_of_rank(params, model, optimizer, extra, !save.world || save.world->rank() == 0);
+  const std::vector<std::string> whole = whole_tensor_names(params, model);
+  const std::set<std::string> whole_written_here =
+      save.world ? whole_tensors_written_here(whole, *save.world)
+                 : std::set<std::string>(whole.begin(), whole.end());
+  save.pieces = pieces_of_rank(params, model, optimizer, extra, whole_written_here,
+                               !save.world || save.world->rank() == 0);
   for (RankPiece& piece : error_feedback_residual_pieces(params)) {
     piece.name = kResidualPrefix + piece.name;
     save.pieces.push_back(std::move(piece));

@@ -28,11 +28,12 @@ struct RankPiece {
 };
 
 // What this rank saves of `model`, `optimizer` and `extra`: one copy of every shard (HSDP
-// replicas: replicate rank 0), on rank 0 everything kept whole, and its own error-feedback
-// residuals; the tensors the live ones (detached); and the World the save is a collective
-// over (null: this process alone). Checks first, before any collective, that every
-// fully_shard-ed parameter is sharded (errors name `caller`), so that all ranks throw or
-// none does; then, over the World, that every rank holds the same tensors kept whole.
+// replicas: replicate rank 0), each tensor kept whole once (by the lowest World rank
+// holding it: rank 0 unless pipeline stages hold their own), `extra` on rank 0, and its own
+// error-feedback residuals; the tensors the live ones (detached); and the World the save
+// is a collective over (null: this process alone). Checks first, before any collective,
+// that every fully_shard-ed parameter is sharded (errors name `caller`), so that all ranks
+// throw or none does.
 struct RankSave {
   std::shared_ptr<World> world;
   std::vector<RankPiece> pieces;

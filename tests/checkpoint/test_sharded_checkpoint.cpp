@@ -132,7 +132,8 @@ TORCH_MODULE(ModelPart);
 // A model split over two ranks (pipeline stages, each fully_shard-ed over its own one-rank
 // mesh): each rank saves its part under the whole model's names. The checkpoint loads into
 // the whole model sharded over both ranks, and back into the parts (strict: every entry is
-// some rank's); an entry no rank's part holds is refused on every rank, by name.
+// some rank's); an entry no rank's part holds is refused on every rank, by name. A stage's
+// own buffer is written by that stage.
 HP_DIST_TEST(ShardedCheckpoint, PipelineStagesSaveTheirPartsUnderTheWholeModelsNames, 2) {
   auto world = testing::world();
   const int64_t rank = world->rank();
@@ -200,13 +201,22 @@ HP_DIST_TEST(ShardedCheckpoint, PipelineStagesSaveTheirPartsUnderTheWholeModelsN
             }),
             "no error");
 
-  // Rank 0 alone writes buffers: a stage's own buffer is refused on every rank.
-  if (rank == 1) saved->register_buffer("stage_buffer", torch::zeros({2}));
-  const std::string unsaved = error_of([&] { save_sharded_checkpoint(dir + "/other", *saved); });
-  EXPECT_TRUE(
-      contains(unsaved, "rank 1 holds buffers or whole parameters that differ from rank 0's"))
-      << unsaved;
-  EXPECT_FALSE(fs::exists(dir + "/other"));
+  // A buffer of stage 1's own is written by rank 1 (the lowest rank holding it) and loads
+  // back there; without it on any rank, strict loading names it.
+  const std::string with_buffer = checkpoint_dir_for_step(dir, 2);
+  if (rank == 1) saved->register_buffer("stage_buffer", torch::arange(3, at::kFloat));
+  save_sharded_checkpoint(with_buffer, *saved);
+  if (rank == 1) loaded->register_buffer("stage_buffer", torch::zeros({3}));
+  load_sharded_checkpoint(with_buffer, *loaded);
+  if (rank == 1) {
+    EXPECT_TRUE(
+        torch::equal(loaded->named_buffers()["stage_buffer"], torch::arange(3, at::kFloat)));
+  }
+  const std::string unused =
+      error_of([&] { load_sharded_checkpoint(with_buffer, *part_of(begin, end)); });
+  EXPECT_TRUE(contains(unused, "'stage_buffer'") &&
+              contains(unused, "is not a parameter or buffer of the model on any rank"))
+      << unused;
   barrier(*world->world_group()).wait();
   if (rank == 0) fs::remove_all(dir);
 }
