@@ -528,11 +528,25 @@ void save(const TrainOptions& o, int64_t step, torch::nn::Module& model,
   }
 }
 
-// Every rank joins the gathers, one tensor at a time; rank 0 writes each and drops it.
-void export_full(const std::string& dir, Decoder& model, torch::optim::AdamW& optimizer,
-                 const Job& job) {
-  hp::save_full_checkpoint(*model, dir + "/model.pt");
-  hp::save_full_optimizer_checkpoint(*model, optimizer, dir + "/optim.pt");
+// --export: rank 0 writes whole tensors into DIR/model.pt and DIR/optim.pt, one at a time.
+// Every rank joins the gathers; under --pp, where no rank holds the whole model, the
+// stages' sharded checkpoint (the final --save, else one kept in DIR meanwhile) is what
+// rank 0 converts.
+void export_full(const TrainOptions& o, torch::nn::Module& model, torch::optim::AdamW& optimizer,
+                 const Job& job, bool pipelined) {
+  const std::string& dir = o.export_dir;
+  if (!pipelined) {
+    hp::save_full_checkpoint(model, dir + "/model.pt");
+    hp::save_full_optimizer_checkpoint(model, optimizer, dir + "/optim.pt");
+  } else {
+    const std::string sharded =
+        o.save.empty() ? dir + "/.stages" : hp::checkpoint_dir_for_step(o.save, o.steps);
+    if (o.save.empty()) hp::save_sharded_checkpoint(sharded, model, &optimizer);
+    if (job.rank == 0) {
+      hp::convert_to_full_checkpoint(sharded, dir + "/model.pt", dir + "/optim.pt");
+      if (o.save.empty()) std::filesystem::remove_all(sharded);
+    }
+  }
   // The others wait for rank 0's files: a rank that exits first could have the launcher
   // stop rank 0 mid-write.
   hp::barrier(job.all()).wait();
@@ -927,7 +941,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
   if (saver) saver->wait();
   if (!o.save.empty()) save(o, o.steps, saved, optimizer, job);
-  if (!o.export_dir.empty()) export_full(o.export_dir, model, optimizer, job);
+  if (!o.export_dir.empty()) export_full(o, saved, optimizer, job, pipeline.has_value());
   summary.validation_loss =
       validation ? *validation : validation_loss(evaluation.loss_of, data.validation, job.all());
   summary.learned = summary.validation_loss < data.unigram;

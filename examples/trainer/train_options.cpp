@@ -250,7 +250,7 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
       ->group("Checkpoints");
   app.add_option("--export", o.export_dir,
                  "at the end, write DIR/model.pt and DIR/optim.pt (whole tensors, for Python's "
-                 "torch.load)")
+                 "torch.load; under --pp converted from the stages' sharded checkpoint)")
       ->group("Checkpoints");
   app.add_option("--fail-at-step", o.fail_at_steps,
                  "fault injection for restart tests: a rank fails before step N; given k times, "
@@ -310,10 +310,6 @@ std::string pipeline_contradiction(const TrainOptions& o) {
   }
   if (o.tp > 1 || o.cp > 1 || o.ep > 1 || o.experts > 0) {
     return "--pp does not compose with --tp, --cp, --ep or --experts yet; drop one of them";
-  }
-  if (!o.export_dir.empty()) {
-    return "--pp does not compose with --export yet (each stage holds part of the model); "
-           "--save a checkpoint, resume it without --pp and --export from there";
   }
   if (o.error_feedback && (!o.save.empty() || !o.resume.empty())) {
     return "--pp with --error-feedback does not compose with --save or --resume yet: the last "

@@ -75,6 +75,19 @@ void save_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
 StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& model,
                                   torch::optim::Optimizer* optimizer = nullptr, bool strict = true);
 
+// Writes the whole tensors of the checkpoint in `dir` (one save_sharded_checkpoint wrote, or
+// one PyTorch's HuggingFaceStorageWriter wrote) into torch.save files, in the calling
+// process alone and one tensor at a time: the model's parameters and buffers into
+// `model_path`, as save_full_checkpoint writes them, and, unless `optimizer_path` is empty,
+// the optimizer's state into it, as save_full_optimizer_checkpoint writes it. Entries are
+// in name order; load_full_checkpoint (on any mesh) and Python's torch.load read both. No
+// model is needed, so it also consolidates a checkpoint of pipeline stages. Pieces are
+// checked as load_sharded_checkpoint checks them; each file appears only when complete.
+// Throws c10::ValueError when `optimizer_path` is given and the checkpoint holds no
+// optimizer state (before writing anything).
+void convert_to_full_checkpoint(const std::string& dir, const std::string& model_path,
+                                const std::string& optimizer_path = "");
+
 // Whether `dir` holds a complete sharded checkpoint (its COMPLETE marker is there).
 bool is_complete_checkpoint(const std::string& dir);
 

@@ -29,6 +29,7 @@
 #include "hyperparallel/collectives.h"
 #include "safetensors_file.h"
 #include "state_io.h"
+#include "torch_save_writer.h"
 
 namespace hp {
 namespace {
@@ -306,6 +307,25 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
     for (const auto& name : extras.names) extra.insert(name, extras.read(name));
   });
   return extra;
+}
+
+void convert_to_full_checkpoint(const std::string& dir, const std::string& model_path,
+                                const std::string& optimizer_path) {
+  const std::string caller = "convert_to_full_checkpoint";
+  ShardedCheckpointReader reader(dir, caller);
+  const detail::FullTensorSource optimizer_source = reader.source(detail::kOptimizerPrefix);
+  if (!optimizer_path.empty() && optimizer_source.names.empty()) {
+    C10_THROW_ERROR(ValueError, caller + ": " + dir +
+                                    " holds no optimizer state; pass no optimizer path to "
+                                    "write the model alone");
+  }
+  const auto write = [](const detail::FullTensorSource& source, const std::string& path) {
+    detail::TorchSaveWriter writer(path);
+    for (const auto& name : source.names) writer.write(name, source.read(name));
+    writer.finish();
+  };
+  write(reader.model_source(), model_path);
+  if (!optimizer_path.empty()) write(optimizer_source, optimizer_path);
 }
 
 bool is_complete_checkpoint(const std::string& dir) {

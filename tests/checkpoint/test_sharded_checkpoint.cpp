@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -48,9 +49,21 @@ FullyShardOptions weights_on_dim_1() {
   return options;
 }
 
+// `state` with its entries in name order.
+StateDict by_name(const StateDict& state) {
+  std::vector<std::string> names = state.keys();
+  std::sort(names.begin(), names.end());
+  StateDict sorted;
+  for (const auto& name : names) sorted.insert(name, state[name]);
+  return sorted;
+}
+
 // Saved on 2x2 HSDP (4 ranks), loaded on 3 ranks (1-D, weights sharded on dim 1) and on
 // one: model, optimizer state and extras equal what was saved, as the full checkpoint
-// functions gather it; Python assembles the same tensors from the files.
+// functions gather it; Python assembles the same tensors from the files. Converted to
+// torch.save files in one process, it gives the files the full checkpoint functions write
+// (in name order), which Python's torch.load reads; a checkpoint without optimizer state
+// converts the model alone.
 HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
   auto world = testing::world();
   const std::string dir = shared_dir("hp_sharded_any_mesh");
@@ -92,6 +105,22 @@ HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
   EXPECT_EQ(extra["step"].item<int64_t>(), 1);
   EXPECT_TRUE(torch::equal(extra["data_position"], torch::arange(6).reshape({2, 3})));
   if (world->size() == 1) {
+    convert_to_full_checkpoint(checkpoint, dir + "/converted_model.pt",
+                               dir + "/converted_optim.pt");
+    expect_equal_dicts(read_state_dict_file(dir + "/converted_model.pt"),
+                       by_name(read_state_dict_file(dir + "/expected_model.pt")));
+    expect_equal_dicts(read_state_dict_file(dir + "/converted_optim.pt"),
+                       by_name(read_state_dict_file(dir + "/expected_optim.pt")));
+    const std::string model_only = dir + "/model_only";
+    save_sharded_checkpoint(model_only, *loaded);
+    const std::string refused = error_of([&] {
+      convert_to_full_checkpoint(model_only, dir + "/model_only.pt", dir + "/model_only_optim.pt");
+    });
+    EXPECT_TRUE(contains(refused, "holds no optimizer state; pass no optimizer path")) << refused;
+    EXPECT_FALSE(fs::exists(dir + "/model_only.pt"));
+    convert_to_full_checkpoint(model_only, dir + "/model_only.pt");
+    expect_equal_dicts(read_state_dict_file(dir + "/model_only.pt"),
+                       by_name(read_state_dict_file(dir + "/expected_model.pt")));
     const std::string script =
         std::string("sys.path.insert(0, '") + HP_SOURCE_DIR +
         "/tools')\n"
@@ -103,8 +132,12 @@ HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
         dir +
         "/expected_model.pt', weights_only=True)\n"
         "assert model.keys() == expected.keys(), (model.keys(), expected.keys())\n"
+        "converted = torch.load('" +
+        dir +
+        "/converted_model.pt', weights_only=True)\n"
         "for name, tensor in expected.items():\n"
-        "    assert torch.equal(model[name], tensor), name\n";
+        "    assert torch.equal(model[name], tensor), name\n"
+        "    assert torch.equal(converted[name], tensor), name\n";
     EXPECT_TRUE(run_python(dir, script)) << "python3 has no torch: Python's reading untested";
     fs::remove_all(dir);
   }

@@ -29,9 +29,11 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "hyperparallel/sharded_checkpoint.h"
+#include "hyperparallel/state_dict.h"
 #include "launcher/launcher.h"
 #include "program_run.h"
 
@@ -652,7 +654,9 @@ TEST(Trainer, PipelineSchedulesTrainAlikeAndLikeDataParallel) {
 // names: a rank killed mid-run restarts from one and ends with the uninterrupted run's
 // checkpoint (index and 4 rank files) byte for byte. A pipeline's checkpoint resumes without
 // --pp and one saved without --pp resumes under --pp: each continues like the run that
-// saved it, within the rounding between the two layouts.
+// saved it, within the rounding between the two layouts. --export under --pp (converted
+// from the final checkpoint, or from one the stages write for it) holds the tensors the
+// same checkpoint exports without --pp, bitwise.
 TEST(Trainer, PipelineCheckpointsRestartBitwiseAndMoveBetweenLayouts) {
   TempDir dir;
   const int64_t steps = 16, saved_step = 8;
@@ -664,7 +668,9 @@ TEST(Trainer, PipelineCheckpointsRestartBitwiseAndMoveBetweenLayouts) {
     return run_program(train_command(ranks, "1x2", hp_run_flags, more));
   };
 
-  const ProgramRun straight = run(4, "", pp + flags + path("pp") + " --out " + path("pp_out"));
+  const ProgramRun straight =
+      run(4, "",
+          pp + flags + path("pp") + " --out " + path("pp_out") + " --export " + path("pp_export"));
   ASSERT_NE(verdict(straight.output), "") << straight.output;
   const ProgramRun restarted =
       run(4, "--max-restarts 1",
@@ -702,6 +708,32 @@ TEST(Trainer, PipelineCheckpointsRestartBitwiseAndMoveBetweenLayouts) {
   expect_continues(resumed_losses(2, "", "pp", "plain_from_pp"), logged(path("pp_out"), "loss"));
   expect_continues(resumed_losses(4, pp, "plain", "pp_from_plain"),
                    logged(path("plain_out"), "loss"));
+
+  // The pipeline's last checkpoint exported by runs that take no step: without --pp
+  // (gathered), and under --pp without --save (the stages' checkpoint kept in the export
+  // directory meanwhile).
+  const std::string last = checkpoint_dir_for_step(path("pp"), steps);
+  for (const auto& [layout, ranks, name] :
+       {std::tuple<std::string, int, std::string>{"", 2, "plain_export"},
+        {pp, 4, "pp_staged_export"}}) {
+    const ProgramRun exported = run(
+        ranks, "", layout + "--layers 4 --steps 16 --resume " + last + " --export " + path(name));
+    ASSERT_NE(verdict(exported.output), "") << exported.output;
+    EXPECT_FALSE(fs::exists(path(name) + "/.stages")) << name;
+  }
+  for (const std::string file : {"/model.pt", "/optim.pt"}) {
+    const StateDict want = read_state_dict_file(path("plain_export") + file);
+    for (const std::string name : {"pp_export", "pp_staged_export"}) {
+      const StateDict got = read_state_dict_file(path(name) + file);
+      EXPECT_EQ(got.size(), want.size()) << name << file;
+      for (const auto& item : want) {
+        const at::Tensor* tensor = got.find(item.key());
+        EXPECT_TRUE(tensor && tensor->dtype() == item.value().dtype() &&
+                    torch::equal(*tensor, item.value()))
+            << name << file << ": " << item.key();
+      }
+    }
+  }
 }
 
 // int8 weight all-gathers and gradient reduce-scatters on 2 ranks: the final validation
@@ -820,7 +852,6 @@ TEST(Trainer, PipelineMisuseIsAUsageError) {
       {"--pp 2 --pp-schedule zero-bubble", "--pp-schedule zero-bubble is not available"},
       {"--microbatches 2", "they need --pp >= 2"},
       {"--pp 2 --tp 2", "--pp does not compose with --tp, --cp, --ep or --experts yet"},
-      {"--pp 2 --export out", "--pp does not compose with --export yet"},
       {"--pp 2 --rs-codec int8 --error-feedback --resume auto --save ckpt",
        "--pp with --error-feedback does not compose with --save or --resume yet"},
       {"--pp 2", "--pp 2 x --mesh 1x2 x --cp 1 x --tp 1 needs 4 ranks, this run has 2"}};
