@@ -9,7 +9,8 @@
 //   dcp_interop import DIR... loads each directory PyTorch's HuggingFaceStorageWriter wrote
 //                             with hp::load_sharded_checkpoint (plain model on one rank,
 //                             fully_shard-ed on more) and checks it against DIR-reference.pt:
-//                             every tensor bitwise, the loss of its batch within 1e-6
+//                             every tensor bitwise, the loss of its batch within 1e-6; on
+//                             one rank also hp::convert_to_full_checkpoint's file of it
 //
 // A batch is int64 tokens [B, T + 1]; its loss is the mean next-token cross-entropy of the
 // logits of tokens[:, :T] against tokens[:, 1:]. kConfig is dcp_interop.py's CONFIG.
@@ -79,7 +80,32 @@ void export_checkpoint(const std::string& dir, const hp::World& world) {
   if (world.rank() == 0) std::printf("exported %s: loss %.9g\n", dir.c_str(), loss.item<double>());
 }
 
-// Whether `dir` (written by PyTorch) loads into the model on this world as it was saved.
+// Whether `state` holds the model tensors of `reference` (all but "extra/..."), bitwise and
+// nothing else; otherwise says what differs, as `where`.
+bool holds_reference_model(const hp::StateDict& state, const hp::StateDict& reference,
+                           const std::string& where) {
+  size_t model_entries = 0;
+  for (const auto& item : reference) {
+    if (item.key().starts_with("extra/")) continue;
+    ++model_entries;
+    const at::Tensor* got = state.find(item.key());
+    if (got == nullptr || got->scalar_type() != item.value().scalar_type() ||
+        !torch::equal(*got, item.value())) {
+      std::printf("FAILED %s: '%s' %s\n", where.c_str(), item.key().c_str(),
+                  got ? "differs from the reference" : "is missing");
+      return false;
+    }
+  }
+  if (model_entries != state.size()) {
+    std::printf("FAILED %s: the reference has %zu model tensors, not %zu\n", where.c_str(),
+                model_entries, state.size());
+    return false;
+  }
+  return true;
+}
+
+// Whether `dir` (written by PyTorch) loads into the model on this world as it was saved
+// and, on one rank, converts to a full checkpoint file holding the same tensors.
 bool import_checkpoint(const std::string& dir, const hp::World& world) {
   const std::string where = dir + " on " + std::to_string(world.size()) + " rank(s), rank " +
                             std::to_string(world.rank());
@@ -93,22 +119,14 @@ bool import_checkpoint(const std::string& dir, const hp::World& world) {
 
   const hp::StateDict reference = hp::read_state_dict_file(dir + "-reference.pt");
   const hp::StateDict loaded = hp::get_full_state_dict(*model);
-  int64_t model_entries = 0;
-  for (const auto& item : reference) {
-    if (item.key().starts_with("extra/")) continue;
-    ++model_entries;
-    const at::Tensor* got = loaded.find(item.key());
-    if (got == nullptr || got->scalar_type() != item.value().scalar_type() ||
-        !torch::equal(*got, item.value())) {
-      std::printf("FAILED %s: '%s' %s\n", where.c_str(), item.key().c_str(),
-                  got ? "differs from the reference" : "is not in the model");
+  if (!holds_reference_model(loaded, reference, where)) return false;
+  if (world.size() == 1) {
+    const std::string converted = dir + "-converted.pt";
+    hp::convert_to_full_checkpoint(dir, converted);
+    if (!holds_reference_model(hp::read_state_dict_file(converted), reference,
+                               "converting " + dir)) {
       return false;
     }
-  }
-  if (model_entries != static_cast<int64_t>(loaded.size())) {
-    std::printf("FAILED %s: the reference has %lld model tensors, the model %zu\n", where.c_str(),
-                static_cast<long long>(model_entries), loaded.size());
-    return false;
   }
 
   double loss = 0;
@@ -118,8 +136,9 @@ bool import_checkpoint(const std::string& dir, const hp::World& world) {
   }
   const double expected = reference["extra/loss"].item<double>();
   const double diff = std::abs(loss - expected);
-  std::printf("%s: %lld tensors bitwise equal; loss %.9g, expected %.9g (diff %.3g)\n",
-              where.c_str(), static_cast<long long>(model_entries), loss, expected, diff);
+  std::printf("%s: %zu tensors bitwise equal%s; loss %.9g, expected %.9g (diff %.3g)\n",
+              where.c_str(), loaded.size(), world.size() == 1 ? ", converted too" : "", loss,
+              expected, diff);
   if (!(diff <= kLossTolerance)) {
     std::printf("FAILED %s: the loss differs by %.3g (> %g)\n", where.c_str(), diff,
                 kLossTolerance);

@@ -5,7 +5,8 @@
 #     FSDP2 model on 2 ranks: every tensor bitwise, the loss C++ stored within 1e-6;
 #  3. DCP's HuggingFaceStorageWriter saves a PyTorch model sharded (FSDP2, 2 ranks) and
 #     consolidated (FSDP2 on 2 ranks, and a plain model in one process);
-#  4. hp::load_sharded_checkpoint loads each into the C++ model on 1, 2 and 3 ranks.
+#  4. hp::load_sharded_checkpoint loads each into the C++ model on 1, 2 and 3 ranks, and
+#     on 1 rank hp::convert_to_full_checkpoint writes each as a torch.save file.
 # Usage: dcp_interop.sh HP_RUN DCP_INTEROP SOURCE_DIR (python3 is the one on PATH).
 # Exits 77 (skipped) where python3's torch has no HuggingFaceStorageReader.
 set -euo pipefail
