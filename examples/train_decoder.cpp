@@ -660,9 +660,12 @@ Evaluation evaluation_of(hp::trainer::DecoderPipeline& pipeline,
           .next_logits =
               [&pipeline, &layout](const at::Tensor& tokens) {
                 const at::Tensor logits = pipeline.logits(tokens);
-                at::Tensor next = pipeline.holds_last_stage()
-                                      ? logits[0][-1].to(at::kCPU, at::kFloat).contiguous()
-                                      : torch::empty({kVocab}, torch::kFloat);
+                at::Tensor next =
+                    pipeline.holds_last_stage()
+                        ? hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0][-1]
+                              .to(at::kCPU, at::kFloat)
+                              .contiguous()
+                        : torch::empty({kVocab}, torch::kFloat);
                 hp::broadcast(next, layout.pipeline->size() - 1, *layout.pipeline).wait();
                 return next;
               }};

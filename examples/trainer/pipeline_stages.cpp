@@ -81,7 +81,11 @@ at::Tensor DecoderStageImpl::forward(const at::Tensor& x) {
     }
   }
   if (!last) return h;
-  return torch::nn::functional::linear(whole->norm(h), whole->tok_embeddings->weight);
+  // As the whole decoder's output: under tensor parallelism each rank projects onto its
+  // vocabulary slice, and the hidden states' gradient is summed over the slices.
+  return torch::nn::functional::linear(
+      copy_to_tensor_parallel(whole->norm(h), whole->config.tensor_parallel),
+      whole->tok_embeddings->weight);
 }
 
 DecoderPipeline::DecoderPipeline(models::Transformer& whole, const TrainOptions& o,

@@ -2,13 +2,14 @@
 // The decoder cut into pipeline stages (--pp): stage s of N = pp x virtual-stages holds
 // layers [s L/N, (s+1) L/N); stage 0 also the token and position embeddings, the last stage
 // the final norm and the output projection. Chunk v of pipeline rank r is stage v pp + r.
-// Each stage is fully_shard-ed over its data-parallel ranks.
+// Each stage is fully_shard-ed over its data-parallel ranks; with tensor parallelism its
+// blocks and the vocabulary are split over the tensor-parallel ranks, as in the whole decoder.
 //
 // The output projection is tied to the token embedding, which lives on stage 0: the last
 // stage holds its own copy, equal at the start (both ranks materialize the same recorded
 // tensor). After every backward the two copies' gradients are summed over the pair
-// {stage 0's rank, the last stage's rank} of each data-parallel position (Megatron's
-// embedding group), so both take the same update and stay bitwise equal.
+// {stage 0's rank, the last stage's rank} of each data-parallel and tensor-parallel position
+// (Megatron's embedding group), so both take the same update and stay bitwise equal.
 
 #include <ATen/core/Tensor.h>
 
