@@ -240,17 +240,20 @@ double validation_loss(const LossOf& loss_of, const std::vector<hp::trainer::Bat
   return (sums[0] / sums[1]).item<double>();
 }
 
-// The whole logits [T, vocab] of one sequence `tokens` [1, T]: padded at its end to a
-// length cp can split (causal: padding changes no earlier logit), its parts gathered back
-// from the cp ranks, its vocabulary slices from the tp ranks.
-template <typename Model>
-at::Tensor whole_logits(Model& model, const at::Tensor& tokens,
+// The whole logits [T, vocab] of one sequence `tokens` [1, T] by `forward` (this rank's
+// logits of this rank's tokens): padded at its end to a length cp can split (causal:
+// padding changes no earlier logit), its parts gathered back from the cp ranks, its
+// vocabulary slices from the tp ranks. Undefined where `forward` gives none (a pipeline
+// rank without the last stage, as are its cp and tp peers).
+template <typename Forward>
+at::Tensor whole_logits(Forward&& forward, const at::Tensor& tokens,
                         const hp::trainer::ParallelLayout& layout) {
   const int64_t length = tokens.size(1), cp = layout.context_parallel->size();
   const int64_t padded = (length + 2 * cp - 1) / (2 * cp) * (2 * cp);
   const at::Tensor on_device = tokens.to(layout.mesh.world()->device());
   at::Tensor input = cp > 1 ? torch::constant_pad_nd(on_device, {0, padded - length}) : on_device;
-  at::Tensor logits = model(hp::shard_sequence(input, layout.context_parallel));
+  at::Tensor logits = forward(hp::shard_sequence(input, layout.context_parallel));
+  if (!logits.defined()) return logits;
   logits = hp::unshard_sequence(logits, layout.context_parallel);
   return hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0].narrow(0, 0, length);
 }
@@ -648,27 +651,27 @@ Evaluation evaluation_of(Decoder& model, const hp::trainer::ParallelLayout& layo
 
 Evaluation evaluation_of(hp::trainer::DecoderPipeline& pipeline,
                          const hp::trainer::ParallelLayout& layout) {
-  return {.loss_of =
-              [&pipeline, &layout](const hp::trainer::Batch& batch) {
-                const at::Tensor logits = pipeline.logits(batch.data);
-                if (!logits.defined()) return std::pair<at::Tensor, int64_t>{at::Tensor(), 0};
-                const at::Tensor target = batch.target.to(logits.device());
-                return std::pair<at::Tensor, int64_t>{
-                    hp::trainer::next_byte_cross_entropy(logits, target, layout.tensor_parallel),
-                    target.numel()};
-              },
-          .next_logits =
-              [&pipeline, &layout](const at::Tensor& tokens) {
-                const at::Tensor logits = pipeline.logits(tokens);
-                at::Tensor next =
-                    pipeline.holds_last_stage()
-                        ? hp::gather_from_tensor_parallel(logits, layout.tensor_parallel)[0][-1]
-                              .to(at::kCPU, at::kFloat)
-                              .contiguous()
-                        : torch::empty({kVocab}, torch::kFloat);
-                hp::broadcast(next, layout.pipeline->size() - 1, *layout.pipeline).wait();
-                return next;
-              }};
+  return {
+      .loss_of =
+          [&pipeline, &layout](const hp::trainer::Batch& batch) {
+            const at::Tensor logits =
+                pipeline.logits(hp::shard_sequence(batch.data, layout.context_parallel));
+            if (!logits.defined()) return std::pair<at::Tensor, int64_t>{at::Tensor(), 0};
+            const at::Tensor target =
+                hp::shard_sequence(batch.target.to(logits.device()), layout.context_parallel);
+            return std::pair<at::Tensor, int64_t>{
+                hp::trainer::next_byte_cross_entropy(logits, target, layout.tensor_parallel),
+                target.numel()};
+          },
+      .next_logits =
+          [&pipeline, &layout](const at::Tensor& tokens) {
+            const at::Tensor logits = whole_logits(
+                [&pipeline](const at::Tensor& x) { return pipeline.logits(x); }, tokens, layout);
+            at::Tensor next = logits.defined() ? logits[-1].to(at::kCPU, at::kFloat).contiguous()
+                                               : torch::empty({kVocab}, torch::kFloat);
+            hp::broadcast(next, layout.pipeline->size() - 1, *layout.pipeline).wait();
+            return next;
+          }};
 }
 
 // ---- Progress: the log lines, metrics.jsonl, throughput --------------------------------

@@ -275,16 +275,7 @@ struct TransformerImpl : torch::nn::Module {
   // The final hidden states norm(h) [B, T, dim] that the output projection maps to
   // logits, for losses that project them themselves (e.g. chunked cross-entropy).
   at::Tensor hidden(const at::Tensor& tokens) {
-    TORCH_CHECK(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got ", tokens.sizes());
-    // Under context parallelism the tokens are this rank's part of the sequence.
-    const auto& cp = config.context_parallel;
-    const int64_t seq = cp ? tokens.size(1) * cp->size() : tokens.size(1);
-    TORCH_CHECK(seq <= config.max_seq, "sequence length ", seq, " exceeds max_seq ",
-                config.max_seq);
-    at::Tensor positions =
-        cp ? hp::sequence_positions(seq, cp, config.context_parallel_options, tokens.options())
-           : torch::arange(seq, tokens.options());
-    at::Tensor h = tok_embeddings(tokens) + pos_embeddings(positions);
+    at::Tensor h = embed(tokens);
     for (size_t i = 0; i < layers.size(); ++i) {
       std::optional<hp::SwapActivations> swapped;
       if (i < swap_layers.size() && swap_layers[i]) swapped.emplace(activation_swap);
@@ -296,6 +287,20 @@ struct TransformerImpl : torch::nn::Module {
       }
     }
     return norm(h);
+  }
+
+  // The token and position embeddings of `tokens` [B, T] (under context parallelism this
+  // rank's part of the sequence, at its positions in the whole one): [B, T, dim].
+  at::Tensor embed(const at::Tensor& tokens) {
+    TORCH_CHECK(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got ", tokens.sizes());
+    const auto& cp = config.context_parallel;
+    const int64_t seq = cp ? tokens.size(1) * cp->size() : tokens.size(1);
+    TORCH_CHECK(seq <= config.max_seq, "sequence length ", seq, " exceeds max_seq ",
+                config.max_seq);
+    at::Tensor positions =
+        cp ? hp::sequence_positions(seq, cp, config.context_parallel_options, tokens.options())
+           : torch::arange(seq, tokens.options());
+    return tok_embeddings(tokens) + pos_embeddings(positions);
   }
 
   // The MoE layers' load-balancing losses of the last forward, summed (a zero without

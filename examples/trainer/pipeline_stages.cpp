@@ -9,6 +9,7 @@
 
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/context_parallel.h"
 #include "hyperparallel/materialize.h"
 #include "hyperparallel/recompute.h"
 #include "hyperparallel/tensor_parallel.h"
@@ -67,9 +68,7 @@ DecoderStageImpl::DecoderStageImpl(models::Transformer& whole, int64_t stage, in
 
 at::Tensor DecoderStageImpl::forward(const at::Tensor& x) {
   at::Tensor h = x;
-  if (first) {
-    h = whole->tok_embeddings(x) + whole->pos_embeddings(torch::arange(x.size(1), x.options()));
-  }
+  if (first) h = whole->embed(x);
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& recompute = whole->recompute_layers;
     const auto index = static_cast<size_t>(layer_indices[i]);
@@ -147,9 +146,10 @@ at::Tensor DecoderPipeline::tied_weight() {
 
 at::Tensor DecoderPipeline::forward_backward(const Batch& batch) {
   const c10::Device device = layout_.mesh.world()->device();
-  const PipelineStepResult result =
-      schedule_->step(rank_ == 0 ? batch.data.to(device) : at::Tensor(),
-                      holds_last_stage() ? batch.target.to(device) : at::Tensor());
+  const GroupPtr& cp = layout_.context_parallel;
+  const PipelineStepResult result = schedule_->step(
+      rank_ == 0 ? shard_sequence(batch.data.to(device), cp) : at::Tensor(),
+      holds_last_stage() ? shard_sequence(batch.target.to(device), cp) : at::Tensor());
   if (embedding_group_) {
     hp::all_reduce(tied_weight().mutable_grad(), ReduceOp::kSum, *embedding_group_).wait();
   }

@@ -308,8 +308,8 @@ std::string pipeline_contradiction(const TrainOptions& o) {
            ") must divide the batch per data-parallel rank (--batch " + std::to_string(o.batch) +
            " / " + std::to_string(data_ranks) + " = " + std::to_string(o.batch / data_ranks) + ")";
   }
-  if (o.cp > 1 || o.ep > 1 || o.experts > 0) {
-    return "--pp does not compose with --cp, --ep or --experts yet; drop one of them";
+  if (o.ep > 1 || o.experts > 0) {
+    return "--pp does not compose with --ep or --experts yet; drop one of them";
   }
   if (o.error_feedback && (!o.save.empty() || !o.resume.empty())) {
     return "--pp with --error-feedback does not compose with --save or --resume yet: the last "

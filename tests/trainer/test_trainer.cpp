@@ -650,20 +650,29 @@ TEST(Trainer, PipelineSchedulesTrainAlikeAndLikeDataParallel) {
   }
 }
 
-// --pp 2 with --tp 2 (4 ranks, a one-rank data-parallel mesh per stage and slice) trains
-// like one rank alone on the same batches: the same losses and grad norms within rounding,
-// the tied embedding's copies (vocabulary slices) bitwise equal at the end; its checkpoint
-// resumes on one rank and continues like it.
-TEST(Trainer, PipelineWithTensorParallelTrainsLikeOneRank) {
+// --pp 2 with --tp 2 and --cp 2 (8 ranks, a one-rank data-parallel mesh per stage, slice
+// and sequence part) trains like one rank alone on the same batches: the same losses and
+// grad norms within rounding, the same validation loss and sample (through the stages, the
+// sequence parts and the vocabulary slices), the tied embedding's copies bitwise equal at
+// the end; its checkpoint resumes on one rank and continues like it.
+TEST(Trainer, PipelineWithTensorAndContextParallelTrainsLikeOneRank) {
   TempDir dir;
   const auto path = [&](const std::string& name) { return (dir.path / name).string(); };
   const std::string flags = "--steps 10 --log-every 1 --layers 4 --save-every 5 --save ";
   const ProgramRun plain =
       run_program(train_command(1, "1x1", "", flags + path("plain") + " --out " + path("plain")));
   const ProgramRun parallel = run_program(train_command(
-      4, "1x1", "", "--pp 2 --tp 2 " + flags + path("parallel") + " --out " + path("parallel")));
+      8, "1x1", "",
+      "--pp 2 --tp 2 --cp 2 " + flags + path("parallel") + " --out " + path("parallel")));
   ASSERT_NE(verdict(plain.output), "") << plain.output;
-  ASSERT_NE(verdict(parallel.output), "") << parallel.output;
+  EXPECT_EQ(verdict(parallel.output), verdict(plain.output)) << parallel.output;
+  const auto sample = [](const std::string& output) {
+    const size_t start = output.find("[rank 0] sample:\n");
+    return start == std::string::npos ? ""
+                                      : output.substr(start, output.find('\n', start + 18) - start);
+  };
+  EXPECT_NE(sample(plain.output), "") << plain.output;
+  EXPECT_EQ(sample(parallel.output), sample(plain.output));
   EXPECT_TRUE(contains(parallel.output,
                        "tied embedding: the first and last stages' copies are bitwise equal"))
       << parallel.output;
@@ -891,7 +900,7 @@ TEST(Trainer, PipelineMisuseIsAUsageError) {
       {"--pp 2 --virtual-stages 2", "--virtual-stages 2 needs --pp-schedule interleaved"},
       {"--pp 2 --pp-schedule zero-bubble", "--pp-schedule zero-bubble is not available"},
       {"--microbatches 2", "they need --pp >= 2"},
-      {"--pp 2 --cp 2", "--pp does not compose with --cp, --ep or --experts yet"},
+      {"--pp 2 --experts 4", "--pp does not compose with --ep or --experts yet"},
       {"--pp 2 --rs-codec int8 --error-feedback --resume auto --save ckpt",
        "--pp with --error-feedback does not compose with --save or --resume yet"},
       {"--pp 2", "--pp 2 x --mesh 1x2 x --cp 1 x --tp 1 needs 4 ranks, this run has 2"}};
