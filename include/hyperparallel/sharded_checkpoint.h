@@ -83,8 +83,8 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
 // in name order; load_full_checkpoint (on any mesh) and Python's torch.load read both. No
 // model is needed, so it also consolidates a checkpoint of pipeline stages. Pieces are
 // checked as load_sharded_checkpoint checks them; each file appears only when complete.
-// Throws c10::ValueError when `optimizer_path` is given and the checkpoint holds no
-// optimizer state (before writing anything).
+// Throws c10::ValueError, before writing anything, when `optimizer_path` is given and the
+// checkpoint holds no optimizer state, or names the file `model_path` names.
 void convert_to_full_checkpoint(const std::string& dir, const std::string& model_path,
                                 const std::string& optimizer_path = "");
 

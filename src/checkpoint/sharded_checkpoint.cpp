@@ -312,6 +312,11 @@ StateDict load_sharded_checkpoint(const std::string& dir, torch::nn::Module& mod
 void convert_to_full_checkpoint(const std::string& dir, const std::string& model_path,
                                 const std::string& optimizer_path) {
   const std::string caller = "convert_to_full_checkpoint";
+  if (!optimizer_path.empty() &&
+      fs::path(model_path).lexically_normal() == fs::path(optimizer_path).lexically_normal()) {
+    C10_THROW_ERROR(ValueError, caller + ": the model and the optimizer state would both go to " +
+                                    model_path + "; give them two files");
+  }
   ShardedCheckpointReader reader(dir, caller);
   const detail::FullTensorSource optimizer_source = reader.source(detail::kOptimizerPrefix);
   if (!optimizer_path.empty() && optimizer_source.names.empty()) {

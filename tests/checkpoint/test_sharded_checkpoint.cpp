@@ -118,6 +118,11 @@ HP_DIST_TEST(ShardedCheckpoint, LoadsOnAnyMeshAndWorldSize, 4, 3, 1) {
     });
     EXPECT_TRUE(contains(refused, "holds no optimizer state; pass no optimizer path")) << refused;
     EXPECT_FALSE(fs::exists(dir + "/model_only.pt"));
+    const std::string one_file = error_of(
+        [&] { convert_to_full_checkpoint(checkpoint, dir + "/both.pt", dir + "/./both.pt"); });
+    EXPECT_TRUE(contains(one_file, "would both go to " + dir + "/both.pt; give them two files"))
+        << one_file;
+    EXPECT_FALSE(fs::exists(dir + "/both.pt"));
     convert_to_full_checkpoint(model_only, dir + "/model_only.pt");
     expect_equal_dicts(read_state_dict_file(dir + "/model_only.pt"),
                        by_name(read_state_dict_file(dir + "/expected_model.pt")));
