@@ -54,10 +54,9 @@ class CommHandle {
   // the handle is done: later waits do nothing. The callback is skipped when its work
   // failed, and the parts after a failed one fail with it: no wait for each to time out,
   // no report of its own, no callback (collectives still in flight keep their buffers).
-  void wait();
-
   // Destroying the last copy of a pending handle does not wait: the collective finishes
   // on its own, but the callback never runs and a failure is never reported.
+  void wait();
 
   // True until wait() has run to its end: there is work or a callback still to consume.
   bool pending() const;
