@@ -212,6 +212,37 @@ struct DecoderBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DecoderBlock);
 
+// What a block's forward gives: the hidden states and, for an MoE block with a balancing
+// loss, that loss with its graph (undefined otherwise).
+struct BlockOutput {
+  at::Tensor hidden;
+  at::Tensor aux_loss;
+};
+
+// Runs `block` on x, as a recomputed region when `recompute` is set. An MoE block's
+// balancing loss leaves the region as a second output: a reentrant region runs without
+// autograd, so the loss the MoE layer keeps has no graph, and only the region's outputs
+// lead backward into it.
+inline BlockOutput run_block(hp::Sharded<DecoderBlock> block, const at::Tensor& x,
+                             const std::optional<hp::RecomputeOptions>& recompute) {
+  const bool balanced = block->moe && block->moe->options.load_balance_coef > 0;
+  if (!recompute) {
+    at::Tensor hidden = block(x);
+    return {hidden, balanced ? block->moe->aux_loss() : at::Tensor()};
+  }
+  if (!balanced) {
+    return {hp::recompute([block](const at::Tensor& y) mutable { return block(y); }, x, *recompute),
+            at::Tensor()};
+  }
+  const std::vector<at::Tensor> outputs = hp::recompute(
+      [block](const std::vector<at::Tensor>& in) mutable {
+        at::Tensor hidden = block(in[0]);
+        return std::vector<at::Tensor>{hidden, block->moe->aux_loss()};
+      },
+      {x}, *recompute);
+  return {outputs[0], outputs[1]};
+}
+
 // GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that
 // the initial logits are small (loss starts near log(vocab)). Draws from the global
 // generator in parameter order, so torch::manual_seed fixes the result (parallel slices
@@ -276,17 +307,20 @@ struct TransformerImpl : torch::nn::Module {
   // logits, for losses that project them themselves (e.g. chunked cross-entropy).
   at::Tensor hidden(const at::Tensor& tokens) {
     at::Tensor h = embed(tokens);
+    aux_loss_ = torch::zeros({}, h.options().dtype(at::kFloat));
     for (size_t i = 0; i < layers.size(); ++i) {
       std::optional<hp::SwapActivations> swapped;
       if (i < swap_layers.size() && swap_layers[i]) swapped.emplace(activation_swap);
-      if (i < recompute_layers.size() && recompute_layers[i]) {
-        h = hp::recompute([layer = layers[i]](const at::Tensor& x) mutable { return layer(x); }, h,
-                          *recompute_layers[i]);
-      } else {
-        h = layers[i](h);
-      }
+      const BlockOutput out = run_block(layers[i], h, recompute_of(i));
+      h = out.hidden;
+      if (out.aux_loss.defined()) aux_loss_ = aux_loss_ + out.aux_loss;
     }
     return norm(h);
+  }
+
+  // Layer i's entry of recompute_layers (none when it has no entry).
+  std::optional<hp::RecomputeOptions> recompute_of(size_t layer) const {
+    return layer < recompute_layers.size() ? recompute_layers[layer] : std::nullopt;
   }
 
   // The token and position embeddings of `tokens` [B, T] (under context parallelism this
@@ -304,14 +338,8 @@ struct TransformerImpl : torch::nn::Module {
   }
 
   // The MoE layers' load-balancing losses of the last forward, summed (a zero without
-  // graph when there are none): add it to the loss.
-  at::Tensor aux_loss() const {
-    at::Tensor total = torch::zeros({});
-    for (const auto& layer : layers) {
-      if (layer->moe) total = total + layer->moe->aux_loss();
-    }
-    return total;
-  }
+  // graph when there are none; undefined before the first forward): add it to the loss.
+  const at::Tensor& aux_loss() const { return aux_loss_; }
 
   TransformerConfig config;
   hp::VocabParallelEmbedding tok_embeddings{nullptr};
@@ -334,6 +362,8 @@ struct TransformerImpl : torch::nn::Module {
   }
 
   void init_weights() { init_decoder_weights(*this, config.layers); }
+
+  at::Tensor aux_loss_;
 };
 TORCH_MODULE(Transformer);
 

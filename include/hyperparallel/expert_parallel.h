@@ -115,7 +115,8 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   // The load-balancing loss of the last forward (coefficient applied, with its graph), a
-  // scalar; an fp32 zero without graph when load_balance_coef is 0.
+  // scalar; an fp32 zero without graph when load_balance_coef is 0; undefined before the
+  // first forward.
   const at::Tensor& aux_loss() const;
   const RoutingCounts& routing_counts() const { return routing_counts_; }
 

@@ -173,7 +173,6 @@ MoEImpl::MoEImpl(const MoEOptions& opts, GroupPtr group)
   experts =
       Sharded<Experts>(Experts(options.dim, options.expert_hidden, options.num_experts, ep_group));
   register_module("experts", experts.ptr());
-  aux_loss_ = at::zeros({}, at::kFloat);
 }
 
 const at::Tensor& MoEImpl::aux_loss() const { return aux_loss_; }
@@ -225,6 +224,9 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
   if (options.load_balance_coef > 0) {
     const at::Tensor fraction_routed = routed.to(at::kFloat) / static_cast<double>(tokens * k);
     aux_loss_ = options.load_balance_coef * num_experts * (fraction_routed * probs.mean(0)).sum();
+  } else {
+    // Made here, not at construction: a deferred construction would leave it on meta.
+    aux_loss_ = at::zeros({}, probs.options());
   }
   return out.view(input.sizes());
 }

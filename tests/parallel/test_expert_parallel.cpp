@@ -21,7 +21,9 @@
 #include "fsdp_test_util.h"
 #include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/deferred_init.h"
 #include "hyperparallel/expert_parallel.h"
+#include "hyperparallel/materialize.h"
 #include "hyperparallel/state_dict.h"
 #include "models/transformer.h"
 
@@ -195,6 +197,12 @@ TEST(MoELayer, LoadBalancingLossIsSwitchStyle) {
   MoE without(small_options());
   without(x);
   EXPECT_EQ(without->aux_loss().item<double>(), 0.0);
+
+  // Constructed deferred, as the trainer builds its models: the zero is a real tensor too.
+  MoE deferred = hp::deferred_init([] { return MoE(small_options()); });
+  hp::materialize(*deferred);
+  deferred(x);
+  EXPECT_EQ(deferred->aux_loss().item<double>(), 0.0);
 }
 
 TEST(MoELayer, BadOptionsAreNamed) {
@@ -218,6 +226,44 @@ TEST(MoELayer, BadOptionsAreNamed) {
   MoE moe(small_options());
   const std::string shape = error_of<c10::ValueError>([&] { moe(torch::randn({3, 7})); });
   EXPECT_NE(shape.find("last dim must be dim = 8, got shape [3, 7]"), std::string::npos) << shape;
+}
+
+// A reentrant region runs its forward without autograd: the balancing loss must leave the
+// region as an output, or it would reach the loss without a graph and train nothing.
+TEST(MoELayer, BalancingLossTrainsThroughRecomputedLayers) {
+  TransformerConfig config{
+      .vocab = 64, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 64, .max_seq = 16};
+  config.moe = {.layers = {0, 1},
+                .num_experts = 4,
+                .top_k = 2,
+                .expert_hidden = 64,
+                .load_balance_coef = 0.1};
+  torch::manual_seed(3);
+  const at::Tensor tokens = torch::randint(config.vocab, {4, 16});
+  const at::Tensor targets = torch::randint(config.vocab, {4, 16});
+  auto gradients = [&](std::optional<hp::RecomputeImpl> impl) {
+    torch::manual_seed(0);
+    Transformer model(config);
+    if (impl) model->recompute_layers.assign(config.layers, hp::RecomputeOptions{.impl = *impl});
+    at::Tensor logits = model(tokens);
+    at::Tensor loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), targets.flatten());
+    EXPECT_GT(model->aux_loss().item<double>(), 0.0);
+    (loss + model->aux_loss()).backward();
+    std::vector<std::pair<std::string, at::Tensor>> grads;
+    for (const auto& item : model->named_parameters())
+      grads.emplace_back(item.key(), item.value().grad());
+    return grads;
+  };
+  const auto plain = gradients(std::nullopt);
+  for (hp::RecomputeImpl impl : {hp::RecomputeImpl::kReentrant, hp::RecomputeImpl::kNonReentrant}) {
+    const auto recomputed = gradients(impl);
+    ASSERT_EQ(recomputed.size(), plain.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_TRUE(recomputed[i].second.defined()) << recomputed[i].first;
+      EXPECT_TRUE(torch::equal(recomputed[i].second, plain[i].second))
+          << plain[i].first << " (impl " << static_cast<int>(impl) << ")";
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------
