@@ -56,12 +56,21 @@ struct PipelineStage {
   std::optional<FSDPModule> fsdp;
   // Where activations received from the previous stage are put (this rank's device).
   c10::Device device = c10::kCPU;
+  // Optional: a scalar loss of the chunk's own that its forward of a microbatch adds to
+  // the model's (a mixture of experts' load balancing, say), read right after each
+  // forward. It is backpropagated with that microbatch's backward, weighted 1/M like the
+  // microbatch's loss: the step minimizes the mean over microbatches of the loss plus every
+  // chunk's auxiliary loss. A zero without graph is allowed (no gradient to add).
+  std::function<at::Tensor()> aux_loss;
 };
 
 struct PipelineStepResult {
   // On the rank with the last stage: the loss of the whole batch, the mean of the
   // microbatches' losses. Undefined on the others.
   at::Tensor loss;
+  // On ranks with a chunk that has an aux_loss: the sum over those chunks of their
+  // auxiliary losses' means over the microbatches. Undefined on the others.
+  at::Tensor aux_loss;
   // Per chunk of this rank (one but for interleaved schedules), the gradients at its
   // boundaries, microbatches concatenated along dim 0: what it received for its output
   // (undefined at the last stage) and sent back for its input (undefined at the first).

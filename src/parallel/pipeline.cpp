@@ -145,6 +145,7 @@ class StepRun {
     for (auto& send : sends_) send.second.wait();
     PipelineStepResult result;
     if (!losses_.empty()) result.loss = at::stack(losses_).sum().detach();
+    if (!aux_losses_.empty()) result.aux_loss = at::stack(aux_losses_).sum();
     for (size_t chunk = 0; chunk < chunks_.size(); ++chunk) {
       std::vector<at::Tensor> received, sent;
       for (const Microbatch& mb : per_chunk_[chunk]) {
@@ -188,6 +189,7 @@ class StepRun {
 
   struct Microbatch {
     at::Tensor input, output, loss;      // kept from forward for backward
+    at::Tensor aux_loss;                 // the chunk's, weighted 1/M; kept when it has a graph
     at::Tensor output_grad, input_grad;  // the boundary gradients of the step
     CommHandle received;                 // the input (forward) or output_grad (backward)
     CommHandle output_sent;              // kept until the gradient for it comes back
@@ -255,6 +257,7 @@ class StepRun {
     note(trace::Kind::kBegin, "pp_forward", action);
     mb.output = chunk.forward(mb.input);
     note(trace::Kind::kEnd, "pp_forward", action);
+    if (chunk.aux_loss) take_aux_loss(action, chunk.aux_loss());
     if (is_last(action.chunk)) {
       mb.loss =
           loss_fn_(mb.output, targets_[action.microbatch]) / static_cast<double>(microbatches_);
@@ -287,6 +290,21 @@ class StepRun {
                 tag(Message::kActivation, stage(action.chunk), action.microbatch), action);
   }
 
+  void take_aux_loss(const PipelineAction& action, const at::Tensor& aux_loss) {
+    if (!aux_loss.defined() || aux_loss.numel() != 1) {
+      C10_THROW_ERROR(ValueError,
+                      "pipeline: stage " + std::to_string(stage(action.chunk)) +
+                          "'s aux_loss gave " +
+                          (aux_loss.defined() ? "a tensor of shape " + c10::str(aux_loss.sizes())
+                                              : std::string("an undefined tensor")) +
+                          " after microbatch " + std::to_string(action.microbatch) +
+                          "; it must give a scalar (a zero when there is none)");
+    }
+    const at::Tensor weighted = aux_loss.reshape({}) / static_cast<double>(microbatches_);
+    aux_losses_.push_back(weighted.detach().to(at::kFloat));
+    if (weighted.requires_grad()) at(action).aux_loss = weighted;
+  }
+
   void backward(const PipelineAction& action, const PipelineAction* next) {
     Microbatch& mb = at(action);
     PipelineStage& chunk = chunks_[action.chunk];
@@ -296,7 +314,11 @@ class StepRun {
     if (is_last(action.chunk)) {
       if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
-      mb.loss.backward();
+      if (mb.aux_loss.defined()) {
+        torch::autograd::backward({mb.loss, mb.aux_loss});
+      } else {
+        mb.loss.backward();
+      }
     } else {
       wait_received(action);
       // The next stage has its output: a gradient came back from it.
@@ -304,7 +326,12 @@ class StepRun {
       mb.output_sent = CommHandle();
       if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
-      torch::autograd::backward({mb.output}, {mb.output_grad});
+      if (mb.aux_loss.defined()) {
+        torch::autograd::backward({mb.output, mb.aux_loss},
+                                  {mb.output_grad, at::ones_like(mb.aux_loss)});
+      } else {
+        torch::autograd::backward({mb.output}, {mb.output_grad});
+      }
     }
     note(trace::Kind::kEnd, "pp_backward", action);
     if (!is_first(action.chunk)) {
@@ -319,6 +346,7 @@ class StepRun {
     mb.input = at::Tensor();
     mb.output = at::Tensor();
     mb.loss = at::Tensor();
+    mb.aux_loss = at::Tensor();
   }
 
   std::vector<PipelineStage>& chunks_;
@@ -326,7 +354,7 @@ class StepRun {
   const PipelineSchedule::LossFn& loss_fn_;
   const Group& group_;
   int64_t rank_, ranks_, stages_;
-  std::vector<at::Tensor> inputs_, targets_, losses_;
+  std::vector<at::Tensor> inputs_, targets_, losses_, aux_losses_;
   std::vector<std::vector<Microbatch>> per_chunk_;
   std::vector<Shape> shapes_;                             // of the activations each chunk receives
   std::map<int64_t, Shape> sent_shapes_;                  // of those each chunk sends
@@ -337,8 +365,10 @@ class StepRun {
 }  // namespace
 
 std::string to_string(const PipelineAction& action) {
-  return (action.kind == PipelineAction::kForward ? "F" : "B") + std::to_string(action.chunk) +
-         "." + std::to_string(action.microbatch);
+  // Appended, not `const char* + std::string`, which GCC 12 warns about (-Wstringop-overflow).
+  std::string text = action.kind == PipelineAction::kForward ? "F" : "B";
+  text += std::to_string(action.chunk) + "." + std::to_string(action.microbatch);
+  return text;
 }
 
 PipelineSchedule::PipelineSchedule(std::vector<PipelineStage> chunks, int64_t microbatches,

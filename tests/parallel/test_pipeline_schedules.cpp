@@ -402,12 +402,16 @@ HP_DIST_TEST(PipelineSchedules, WithTensorParallelStages, 4) {
 // An MLP with a mixture-of-experts layer per stage, its experts split over `ep` (null:
 // all local; the same parameters either way, expert_parallel.h draws them whole).
 struct MoeMlpImpl : torch::nn::Module {
-  MoeMlpImpl(int64_t stages, const GroupPtr& ep)
+  MoeMlpImpl(int64_t stages, const GroupPtr& ep, double load_balance_coef = 0)
       : input(register_module("input", torch::nn::Linear(kIn, kDim))) {
     for (int64_t s = 0; s < stages; ++s) {
-      moe.push_back(register_module(
-          "moe" + std::to_string(s),
-          MoE(MoEOptions{.dim = kDim, .expert_hidden = 16, .num_experts = 4, .top_k = 2}, ep)));
+      moe.push_back(register_module("moe" + std::to_string(s),
+                                    MoE(MoEOptions{.dim = kDim,
+                                                   .expert_hidden = 16,
+                                                   .num_experts = 4,
+                                                   .top_k = 2,
+                                                   .load_balance_coef = load_balance_coef},
+                                        ep)));
     }
     head = register_module("head", torch::nn::Linear(kDim, kOut));
   }
@@ -463,6 +467,77 @@ HP_DIST_TEST(PipelineSchedules, WithExpertParallelStages, 4) {
     EXPECT_TRUE(torch::allclose(grad, want, 0, 1e-5)) << item.key();
   }
   EXPECT_EQ(experts, 3) << "w1, w3, w2 of this stage's experts";
+}
+
+// Each stage's own loss (its MoE layer's load balancing, PipelineStage::aux_loss) goes
+// backward with its microbatch, weighted 1/M like the loss: the gradients are those of the
+// mean over microbatches of the loss plus every stage's balancing loss, which the plain
+// model computes microbatch by microbatch (the balancing loss is not linear in the batch).
+// GPipe, 1F1B and interleaved alike; the step reports this rank's part of the balancing
+// losses. A stage whose aux_loss is not a scalar is an error naming it.
+HP_DIST_TEST(PipelineSchedules, StageAuxiliaryLossesGoBackwardWithTheirMicrobatch, 2) {
+  auto world = testing::world();
+  const GroupPtr pp = world->world_group();
+  const int64_t ranks = pp->size(), rank = pp->rank();
+  const bool first = rank == 0, last = rank == ranks - 1;
+  constexpr int64_t kMicrobatches = 4;
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  const std::vector<at::Tensor> xs = x.chunk(kMicrobatches), ys = y.chunk(kMicrobatches);
+  for (Kind kind : {Kind::kGPipe, Kind::kOneFOneB, Kind::kInterleaved}) {
+    SCOPED_TRACE(name_of(kind));
+    const int64_t chunks = kind == Kind::kInterleaved ? 2 : 1, stages = chunks * ranks;
+    torch::manual_seed(42);
+    MoeMlp model(stages, nullptr, /*load_balance_coef=*/0.5);
+    torch::manual_seed(42);
+    MoeMlp reference(stages, nullptr, /*load_balance_coef=*/0.5);
+    double want_aux = 0;  // of this rank's stages
+    for (int64_t m = 0; m < kMicrobatches; ++m) {
+      at::Tensor h = xs[m], balancing = torch::zeros({});
+      for (int64_t s = 0; s < stages; ++s) {
+        h = reference->stage_forward(h, s);
+        balancing = balancing + reference->moe[s]->aux_loss();
+        if (s % ranks == rank) want_aux += reference->moe[s]->aux_loss().item<double>();
+      }
+      ((torch::mse_loss(h, ys[m]) + balancing) / kMicrobatches).backward();
+    }
+    want_aux /= kMicrobatches;
+
+    std::vector<PipelineStage> parts;
+    for (int64_t v = 0; v < chunks; ++v) {
+      const int64_t stage = v * ranks + rank;
+      parts.push_back(
+          {.forward = [model, stage](
+                          const at::Tensor& h) mutable { return model->stage_forward(h, stage); },
+           .group = pp,
+           .aux_loss = [model, stage] { return model->moe[stage]->aux_loss(); }});
+    }
+    const PipelineStepResult result = make_schedule(kind, std::move(parts), kMicrobatches)
+                                          ->step(first ? x : at::Tensor(), last ? y : at::Tensor());
+    EXPECT_NEAR(result.aux_loss.item<double>(), want_aux, 1e-6);
+    const auto expected = reference->named_parameters();
+    int64_t compared = 0;
+    for (const auto& item : model->named_parameters()) {
+      if (!item.value().grad().defined()) continue;  // another rank's stage
+      EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 0, 1e-5))
+          << item.key();
+      ++compared;
+    }
+    EXPECT_EQ(compared, chunks * 4 + 2)
+        << "router, w1, w3, w2 per stage; the input's or the head's weight and bias";
+  }
+
+  // On a pipeline of this rank alone, so that the error stops no peer mid-step.
+  const GroupPtr alone = world->new_group("alone_" + std::to_string(rank), {rank});
+  GPipeSchedule bad({.forward = [](const at::Tensor& h) { return h * 2; },
+                     .group = alone,
+                     .aux_loss = [] { return torch::zeros({2}); }},
+                    1, testing::mse_loss);
+  const std::string error = error_of([&] { bad.step(x, x * 2); });
+  EXPECT_NE(error.find("stage 0's aux_loss gave a tensor of shape [2] after microbatch 0; it "
+                       "must give a scalar"),
+            std::string::npos)
+      << error;
 }
 
 // The same with every chunk kept unsharded through the step (reshard after neither forward
