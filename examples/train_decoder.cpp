@@ -437,15 +437,7 @@ hp::FullyShardOptions shard_options(const TrainOptions& o,
 // ep) and the root.
 void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLayout& layout) {
   const hp::FullyShardOptions options = shard_options(o, layout);
-  hp::FullyShardOptions experts_options = options;
-  experts_options.mesh = layout.experts_mesh;
-  for (auto& layer : model->layers) {
-    if (layer->moe) {
-      hp::fully_shard(layer->moe->experts, experts_options)
-          .set_gradient_divide_factor(layout.experts_divide_factor);
-    }
-    hp::fully_shard(layer, options);
-  }
+  for (auto& layer : model->layers) hp::trainer::shard_block(layer, options, layout);
   hp::fully_shard(model, options);
 }
 

@@ -52,4 +52,15 @@ ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const T
   return layout;
 }
 
+void shard_block(Sharded<models::DecoderBlock>& block, const FullyShardOptions& options,
+                 const ParallelLayout& layout) {
+  if (block->moe) {
+    FullyShardOptions experts_options = options;
+    experts_options.mesh = layout.experts_mesh;
+    fully_shard(block->moe->experts, experts_options)
+        .set_gradient_divide_factor(layout.experts_divide_factor);
+  }
+  fully_shard(block, options);
+}
+
 }  // namespace hp::trainer

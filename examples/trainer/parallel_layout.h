@@ -11,7 +11,9 @@
 #include <memory>
 
 #include "examples/trainer/train_options.h"
+#include "hyperparallel/fully_shard.h"
 #include "hyperparallel/mesh.h"
+#include "models/transformer.h"
 
 namespace hp::trainer {
 
@@ -37,5 +39,10 @@ void check_world_size(const TrainOptions& o, int64_t world_size);
 // Throws std::invalid_argument naming the options when the degrees do not multiply to the
 // world's size.
 ParallelLayout make_parallel_layout(const std::shared_ptr<World>& world, const TrainOptions& o);
+
+// fully_shards a decoder block with `options` (the dense mesh), an MoE block's experts
+// first, over the layout's experts mesh with its divide factor.
+void shard_block(Sharded<models::DecoderBlock>& block, const FullyShardOptions& options,
+                 const ParallelLayout& layout);
 
 }  // namespace hp::trainer

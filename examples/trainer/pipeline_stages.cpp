@@ -11,7 +11,6 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/materialize.h"
-#include "hyperparallel/recompute.h"
 #include "hyperparallel/tensor_parallel.h"
 
 namespace hp::trainer {
@@ -69,15 +68,12 @@ DecoderStageImpl::DecoderStageImpl(models::Transformer& whole, int64_t stage, in
 at::Tensor DecoderStageImpl::forward(const at::Tensor& x) {
   at::Tensor h = x;
   if (first) h = whole->embed(x);
+  aux_loss = torch::zeros({}, h.options().dtype(at::kFloat));
   for (size_t i = 0; i < layers.size(); ++i) {
-    const auto& recompute = whole->recompute_layers;
-    const auto index = static_cast<size_t>(layer_indices[i]);
-    if (index < recompute.size() && recompute[index]) {
-      h = hp::recompute([layer = layers[i]](const at::Tensor& y) mutable { return layer(y); }, h,
-                        *recompute[index]);
-    } else {
-      h = layers[i](h);
-    }
+    const models::BlockOutput out =
+        models::run_block(layers[i], h, whole->recompute_of(static_cast<size_t>(layer_indices[i])));
+    h = out.hidden;
+    if (out.aux_loss.defined()) aux_loss = aux_loss + out.aux_loss;
   }
   if (!last) return h;
   // As the whole decoder's output: under tensor parallelism each rank projects onto its
@@ -94,14 +90,17 @@ DecoderPipeline::DecoderPipeline(models::Transformer& whole, const TrainOptions&
   std::vector<PipelineStage> pipeline_stages;
   for (int64_t v = 0; v < o.virtual_stages; ++v) {
     Sharded<DecoderStage> chunk(DecoderStage(whole, v * pp_ + rank_, stages));
-    for (auto& layer : chunk->layers) fully_shard(layer, options);
+    for (auto& layer : chunk->layers) shard_block(layer, options, layout);
     const FSDPModule fsdp = fully_shard(chunk, options);
     materialize(*chunk);
     chunks_.push_back(chunk);
-    pipeline_stages.push_back({.forward = [chunk](const at::Tensor& x) mutable { return chunk(x); },
-                               .group = layout.pipeline,
-                               .fsdp = fsdp,
-                               .device = layout.mesh.world()->device()});
+    PipelineStage stage{.forward = [chunk](const at::Tensor& x) mutable { return chunk(x); },
+                        .group = layout.pipeline,
+                        .fsdp = fsdp,
+                        .device = layout.mesh.world()->device()};
+    // The MoE layers' balancing losses, as the whole decoder adds them to its loss.
+    if (o.experts > 0) stage.aux_loss = [chunk] { return chunk->aux_loss; };
+    pipeline_stages.push_back(std::move(stage));
   }
   // The pair of ranks holding stage 0 and the last stage at this data-parallel position:
   // the mesh is row-major with pp outermost.

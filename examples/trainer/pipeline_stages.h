@@ -3,7 +3,9 @@
 // layers [s L/N, (s+1) L/N); stage 0 also the token and position embeddings, the last stage
 // the final norm and the output projection. Chunk v of pipeline rank r is stage v pp + r.
 // Each stage is fully_shard-ed over its data-parallel ranks; with tensor parallelism its
-// blocks and the vocabulary are split over the tensor-parallel ranks, as in the whole decoder.
+// blocks and the vocabulary are split over the tensor-parallel ranks, and its MoE layers' experts
+// over the expert-parallel ones, as in the whole decoder. A stage's MoE balancing loss of a
+// microbatch goes backward with that microbatch (PipelineStage::aux_loss).
 //
 // The output projection is tied to the token embedding, which lives on stage 0: the last
 // stage holds its own copy, equal at the start (both ranks materialize the same recorded
@@ -39,6 +41,7 @@ struct DecoderStageImpl : torch::nn::Module {
 
   bool first, last;
   models::Transformer whole;  // for its recompute_layers
+  at::Tensor aux_loss;        // the MoE layers' balancing losses of the last forward, summed
   std::vector<Sharded<models::DecoderBlock>> layers;
   std::vector<int64_t> layer_indices;
 };

@@ -308,9 +308,6 @@ std::string pipeline_contradiction(const TrainOptions& o) {
            ") must divide the batch per data-parallel rank (--batch " + std::to_string(o.batch) +
            " / " + std::to_string(data_ranks) + " = " + std::to_string(o.batch / data_ranks) + ")";
   }
-  if (o.ep > 1 || o.experts > 0) {
-    return "--pp does not compose with --ep or --experts yet; drop one of them";
-  }
   if (o.error_feedback && (!o.save.empty() || !o.resume.empty())) {
     return "--pp with --error-feedback does not compose with --save or --resume yet: the last "
            "stage's copy of the tied embedding keeps residuals of its own, which the whole "
