@@ -584,8 +584,9 @@ void fail_if_due(const InjectedFault& fault, int64_t step, int64_t rank, bool by
 // ---- One training step -----------------------------------------------------------------
 
 struct StepResult {
-  at::Tensor loss;       // this rank's
-  double grad_norm = 0;  // of the whole gradients, before clipping
+  at::Tensor loss;          // this rank's
+  at::Tensor balance_loss;  // this rank's MoE balancing loss, all layers; undefined without
+  double grad_norm = 0;     // of the whole gradients, before clipping
 };
 
 void set_learning_rate(torch::optim::AdamW& optimizer, const TrainOptions& o, int64_t step) {
@@ -601,6 +602,7 @@ StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
   optimizer.zero_grad();
   StepResult result;
   result.loss = next_byte_loss(model, batch, layout).first;
+  if (o.experts > 0) result.balance_loss = model->aux_loss().detach();
   (o.experts > 0 ? result.loss + model->aux_loss() : result.loss).backward();
   // Shards combined across ranks; an infinite limit only measures the norm.
   result.grad_norm = hp::clip_grad_norm_(
@@ -616,7 +618,9 @@ StepResult pipeline_train_step(hp::trainer::DecoderPipeline& pipeline,
   set_learning_rate(optimizer, o, step);
   optimizer.zero_grad();
   StepResult result;
-  result.loss = pipeline.forward_backward(batch);
+  const hp::trainer::DecoderPipeline::Losses losses = pipeline.forward_backward(batch);
+  result.loss = losses.loss;
+  result.balance_loss = losses.balance_loss;
   result.grad_norm = pipeline.clip_grad_norm(
       o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
   optimizer.step();
@@ -713,11 +717,15 @@ class Progress {
     if (metrics_) metrics_->append(record);
     const double eta = record.elapsed_s / static_cast<double>(record.step - done_) *
                        static_cast<double>(o_.steps - record.step);
+    char balance[32] = "";
+    if (record.balance_loss) {
+      std::snprintf(balance, sizeof balance, "  balance %.4f", *record.balance_loss);
+    }
     char line[256];
-    std::snprintf(line, sizeof line,
-                  "step %6lld/%lld  loss %.4f  grad norm %6.3f  %7.0f tok/s  ETA %s",
-                  static_cast<long long>(record.step), static_cast<long long>(o_.steps),
-                  record.loss, record.grad_norm, record.tokens_per_s, duration_text(eta).c_str());
+    std::snprintf(
+        line, sizeof line, "step %6lld/%lld  loss %.4f%s  grad norm %6.3f  %7.0f tok/s  ETA %s",
+        static_cast<long long>(record.step), static_cast<long long>(o_.steps), record.loss, balance,
+        record.grad_norm, record.tokens_per_s, duration_text(eta).c_str());
     if (tty_) {
       constexpr int kWidth = 20;
       const int filled = static_cast<int>(kWidth * record.step / o_.steps);
@@ -914,6 +922,12 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
     at::Tensor mean_loss = result.loss.detach().clone();
     hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
+    std::optional<double> balance_loss;
+    if (o.balance_loss > 0 && result.balance_loss.defined()) {
+      at::Tensor mean = result.balance_loss.to(at::kFloat).cpu().clone();
+      hp::all_reduce(mean, hp::ReduceOp::kAvg, job.all()).wait();
+      balance_loss = mean.item<double>();
+    }
     // A signal on any rank stops every rank after this same step: the checkpoint first
     // (after the one in the background, if any), while the grace period lasts.
     const int preempted_by = preemption.agreed_signal(job.all());
@@ -927,6 +941,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
     if (progress.logs(step) || progress.evaluates(step)) {
       hp::trainer::MetricsRecord record =
           progress.measure(step, mean_loss.item<double>(), result.grad_norm);
+      record.balance_loss = balance_loss;
       if (progress.evaluates(step)) {
         record.validation_loss = validation =
             validation_loss(evaluation.loss_of, data.validation, job.all());

@@ -14,6 +14,7 @@ nlohmann::json to_json(const MetricsRecord& record) {
                          {"grad_norm", record.grad_norm},
                          {"tokens_per_s", record.tokens_per_s},
                          {"elapsed_s", record.elapsed_s}};
+  if (record.balance_loss) line["balance_loss"] = *record.balance_loss;
   if (record.validation_loss) {
     line["validation_loss"] = *record.validation_loss;
     line["validation_perplexity"] = std::exp(*record.validation_loss);
@@ -28,6 +29,7 @@ MetricsRecord from_json(const nlohmann::json& line) {
   record.grad_norm = line.at("grad_norm").get<double>();
   record.tokens_per_s = line.at("tokens_per_s").get<double>();
   record.elapsed_s = line.at("elapsed_s").get<double>();
+  if (line.contains("balance_loss")) record.balance_loss = line["balance_loss"].get<double>();
   if (line.contains("validation_loss")) {
     record.validation_loss = line["validation_loss"].get<double>();
   }

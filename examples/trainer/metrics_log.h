@@ -13,6 +13,9 @@ struct MetricsRecord {
   int64_t step = 0;
   double loss = 0;       // training loss of the step, mean over the ranks
   double grad_norm = 0;  // before clipping
+  // The MoE layers' load-balancing loss of the step (coefficient applied, summed over the
+  // layers, mean over the ranks): logged by runs with one (--experts, --balance-loss > 0).
+  std::optional<double> balance_loss;
   double tokens_per_s = 0;
   double elapsed_s = 0;                   // since this process started training
   std::optional<double> validation_loss;  // on the steps that evaluate

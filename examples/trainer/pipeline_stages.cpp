@@ -143,7 +143,7 @@ at::Tensor DecoderPipeline::tied_weight() {
   return {};
 }
 
-at::Tensor DecoderPipeline::forward_backward(const Batch& batch) {
+DecoderPipeline::Losses DecoderPipeline::forward_backward(const Batch& batch) {
   const c10::Device device = layout_.mesh.world()->device();
   const GroupPtr& cp = layout_.context_parallel;
   const PipelineStepResult result = schedule_->step(
@@ -155,7 +155,10 @@ at::Tensor DecoderPipeline::forward_backward(const Batch& batch) {
   at::Tensor loss =
       holds_last_stage() ? result.loss.to(at::kFloat).cpu() : at::zeros({}, at::kFloat);
   hp::broadcast(loss, pp_ - 1, *layout_.pipeline).wait();
-  return loss;
+  if (!result.aux_loss.defined()) return {loss, at::Tensor()};
+  at::Tensor balance_loss = result.aux_loss.to(at::kFloat).cpu();
+  hp::all_reduce(balance_loss, ReduceOp::kSum, *layout_.pipeline).wait();
+  return {loss, balance_loss};
 }
 
 double DecoderPipeline::clip_grad_norm(double max_norm) {

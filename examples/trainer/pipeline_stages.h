@@ -57,9 +57,14 @@ class DecoderPipeline {
   // This rank's parameters, the tied copy included.
   std::vector<at::Tensor> parameters();
 
-  // One forward and backward of `batch` by the schedule, the tied copies' gradients summed;
-  // returns the batch's mean loss on every rank of the pipeline.
-  at::Tensor forward_backward(const Batch& batch);
+  // What one forward and backward gives every rank of the pipeline: the batch's mean loss
+  // and, with MoE layers, their balancing loss summed over the stages (the mean over the
+  // microbatches; undefined without MoE layers).
+  struct Losses {
+    at::Tensor loss, balance_loss;
+  };
+  // One forward and backward of `batch` by the schedule, the tied copies' gradients summed.
+  Losses forward_backward(const Batch& batch);
 
   // The gradients' global norm over all stages (the tied weight counted once), every rank
   // scaling its gradients by max_norm / (norm + 1e-6) when that is below 1. Returns it.

@@ -162,6 +162,7 @@ TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
   while (std::getline(metrics, line)) {
     const nlohmann::json record = nlohmann::json::parse(line);
     EXPECT_GT(record.at("step").get<int64_t>(), last_step) << line;
+    EXPECT_FALSE(record.contains("balance_loss")) << "a dense model has none: " << line;
     last_step = record["step"].get<int64_t>();
     ++records;
     if (record.contains("validation_loss")) {
@@ -702,8 +703,9 @@ TEST(Trainer, PipelineWithTensorAndContextParallelTrainsLikeOneRank) {
 
 // --pp 2 with MoE layers split over --ep 2 (4 ranks) trains like the same mesh without a
 // pipeline (2 ranks): each stage's balancing loss goes backward with its microbatch, so with
-// one microbatch the losses and grad norms agree within rounding (measured: losses equal,
-// grad norms within 5e-9 relative; without the balancing loss the grad norm moves by 3e-3).
+// one microbatch the losses, balancing losses (logged, and printed with each step) and grad
+// norms agree within rounding (measured: losses equal, grad norms within 5e-9 relative;
+// without the balancing loss the grad norm moves by 3e-3).
 TEST(Trainer, PipelineWithExpertParallelTrainsLikeWithout) {
   TempDir dir;
   const auto path = [&](const std::string& name) { return (dir.path / name).string(); };
@@ -713,7 +715,10 @@ TEST(Trainer, PipelineWithExpertParallelTrainsLikeWithout) {
   const ProgramRun pipelined =
       run_program(train_command(4, "1x2", "", "--pp 2 --microbatches 1 " + flags + path("pp")));
   ASSERT_EQ(pipelined.exit_code == 0, plain.exit_code == 0) << pipelined.output;
-  for (const std::string field : {"loss", "grad_norm"}) {
+  EXPECT_TRUE(std::regex_search(pipelined.output,
+                                std::regex("step +1/3  loss [0-9.]+  balance 0\\.[0-9]{4}  grad")))
+      << pipelined.output;
+  for (const std::string field : {"loss", "balance_loss", "grad_norm"}) {
     const std::vector<double> want = logged(path("plain"), field), got = logged(path("pp"), field);
     ASSERT_EQ(want.size(), 3u) << plain.output;
     ASSERT_EQ(got.size(), want.size()) << pipelined.output;
