@@ -585,7 +585,7 @@ void fail_if_due(const InjectedFault& fault, int64_t step, int64_t rank, bool by
 
 struct StepResult {
   at::Tensor loss;          // this rank's
-  at::Tensor balance_loss;  // this rank's MoE balancing loss, all layers; undefined without
+  at::Tensor balance_loss;  // the MoE layers' balancing loss, this rank's stages' (or none)
   double grad_norm = 0;     // of the whole gradients, before clipping
 };
 
@@ -602,8 +602,8 @@ StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
   optimizer.zero_grad();
   StepResult result;
   result.loss = next_byte_loss(model, batch, layout).first;
-  if (o.experts > 0) result.balance_loss = model->aux_loss().detach();
-  (o.experts > 0 ? result.loss + model->aux_loss() : result.loss).backward();
+  if (o.balances_experts()) result.balance_loss = model->aux_loss().detach();
+  (o.balances_experts() ? result.loss + model->aux_loss() : result.loss).backward();
   // Shards combined across ranks; an infinite limit only measures the norm.
   result.grad_norm = hp::clip_grad_norm_(
       model->parameters(), o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
@@ -922,12 +922,6 @@ int train(const TrainOptions& o, const std::string& resolved) {
 
     at::Tensor mean_loss = result.loss.detach().clone();
     hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
-    std::optional<double> balance_loss;
-    if (o.balance_loss > 0 && result.balance_loss.defined()) {
-      at::Tensor mean = result.balance_loss.to(at::kFloat).cpu().clone();
-      hp::all_reduce(mean, hp::ReduceOp::kAvg, job.all()).wait();
-      balance_loss = mean.item<double>();
-    }
     // A signal on any rank stops every rank after this same step: the checkpoint first
     // (after the one in the background, if any), while the grace period lasts.
     const int preempted_by = preemption.agreed_signal(job.all());
@@ -941,7 +935,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
     if (progress.logs(step) || progress.evaluates(step)) {
       hp::trainer::MetricsRecord record =
           progress.measure(step, mean_loss.item<double>(), result.grad_norm);
-      record.balance_loss = balance_loss;
+      if (o.balances_experts()) {
+        at::Tensor mean = result.balance_loss.to(at::kFloat).cpu().clone();
+        hp::all_reduce(mean, hp::ReduceOp::kAvg, job.all()).wait();
+        record.balance_loss = mean.item<double>();
+      }
       if (progress.evaluates(step)) {
         record.validation_loss = validation =
             validation_loss(evaluation.loss_of, data.validation, job.all());

@@ -85,7 +85,10 @@ at::Tensor DecoderStageImpl::forward(const at::Tensor& x) {
 
 DecoderPipeline::DecoderPipeline(models::Transformer& whole, const TrainOptions& o,
                                  const ParallelLayout& layout, const FullyShardOptions& options)
-    : pp_(o.pp), rank_(layout.pipeline->rank()), layout_(layout) {
+    : pp_(o.pp),
+      rank_(layout.pipeline->rank()),
+      balances_experts_(o.balances_experts()),
+      layout_(layout) {
   const int64_t stages = o.pp * o.virtual_stages;
   std::vector<PipelineStage> pipeline_stages;
   for (int64_t v = 0; v < o.virtual_stages; ++v) {
@@ -99,7 +102,7 @@ DecoderPipeline::DecoderPipeline(models::Transformer& whole, const TrainOptions&
                         .fsdp = fsdp,
                         .device = layout.mesh.world()->device()};
     // The MoE layers' balancing losses, as the whole decoder adds them to its loss.
-    if (o.experts > 0) stage.aux_loss = [chunk] { return chunk->aux_loss; };
+    if (balances_experts_) stage.aux_loss = [chunk] { return chunk->aux_loss; };
     pipeline_stages.push_back(std::move(stage));
   }
   // The pair of ranks holding stage 0 and the last stage at this data-parallel position:
@@ -155,7 +158,7 @@ DecoderPipeline::Losses DecoderPipeline::forward_backward(const Batch& batch) {
   at::Tensor loss =
       holds_last_stage() ? result.loss.to(at::kFloat).cpu() : at::zeros({}, at::kFloat);
   hp::broadcast(loss, pp_ - 1, *layout_.pipeline).wait();
-  if (!result.aux_loss.defined()) return {loss, at::Tensor()};
+  if (!balances_experts_) return {loss, at::Tensor()};
   at::Tensor balance_loss = result.aux_loss.to(at::kFloat).cpu();
   hp::all_reduce(balance_loss, ReduceOp::kSum, *layout_.pipeline).wait();
   return {loss, balance_loss};

@@ -58,8 +58,8 @@ class DecoderPipeline {
   std::vector<at::Tensor> parameters();
 
   // What one forward and backward gives every rank of the pipeline: the batch's mean loss
-  // and, with MoE layers, their balancing loss summed over the stages (the mean over the
-  // microbatches; undefined without MoE layers).
+  // and, when the MoE layers add a balancing loss, that loss summed over the stages (the
+  // mean over the microbatches; undefined otherwise).
   struct Losses {
     at::Tensor loss, balance_loss;
   };
@@ -90,6 +90,7 @@ class DecoderPipeline {
   at::Tensor tied_weight();  // this rank's copy; undefined on middle stages
 
   int64_t pp_, rank_;
+  bool balances_experts_;  // the stages add their MoE layers' balancing losses
   ParallelLayout layout_;
   std::vector<Sharded<DecoderStage>> chunks_;
   GroupPtr embedding_group_;  // null on middle stages

@@ -78,6 +78,8 @@ struct TrainOptions {
   int64_t replicate = 2;
   int64_t shard = 2;
   std::optional<RecomputeOptions> recompute_options() const;
+  // Whether the MoE layers add a load-balancing loss to the training loss.
+  bool balances_experts() const { return experts > 0 && balance_loss > 0; }
 };
 
 struct ParsedOptions {

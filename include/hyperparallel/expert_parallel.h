@@ -116,7 +116,9 @@ struct MoEImpl : torch::nn::Module {
 
   // The load-balancing loss of the last forward (coefficient applied, with its graph), a
   // scalar; an fp32 zero without graph when load_balance_coef is 0; undefined before the
-  // first forward.
+  // first forward. A forward without autograd leaves it without graph too, as inside a
+  // reentrant recompute region: return it from the region as one of its outputs
+  // (models::run_block does), or it trains nothing.
   const at::Tensor& aux_loss() const;
   const RoutingCounts& routing_counts() const { return routing_counts_; }
 

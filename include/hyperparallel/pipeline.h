@@ -60,7 +60,9 @@ struct PipelineStage {
   // the model's (a mixture of experts' load balancing, say), read right after each
   // forward. It is backpropagated with that microbatch's backward, weighted 1/M like the
   // microbatch's loss: the step minimizes the mean over microbatches of the loss plus every
-  // chunk's auxiliary loss. A zero without graph is allowed (no gradient to add).
+  // chunk's auxiliary loss. A zero without graph is allowed (no gradient to add); anything
+  // but a scalar throws c10::ValueError in the middle of the step, so the other ranks wait
+  // until their timeout, as for any error of a stage's forward.
   std::function<at::Tensor()> aux_loss;
 };
 
@@ -69,7 +71,8 @@ struct PipelineStepResult {
   // microbatches' losses. Undefined on the others.
   at::Tensor loss;
   // On ranks with a chunk that has an aux_loss: the sum over those chunks of their
-  // auxiliary losses' means over the microbatches. Undefined on the others.
+  // auxiliary losses' means over the microbatches (fp32, detached, on the chunks' device).
+  // Undefined on the others.
   at::Tensor aux_loss;
   // Per chunk of this rank (one but for interleaved schedules), the gradients at its
   // boundaries, microbatches concatenated along dim 0: what it received for its output

@@ -301,7 +301,8 @@ class StepRun {
                           "; it must give a scalar (a zero when there is none)");
     }
     const at::Tensor weighted = aux_loss.reshape({}) / static_cast<double>(microbatches_);
-    aux_losses_.push_back(weighted.detach().to(at::kFloat));
+    // On this rank's device: chunks may give a CPU zero next to a device loss.
+    aux_losses_.push_back(weighted.detach().to(chunks_[action.chunk].device, at::kFloat));
     if (weighted.requires_grad()) at(action).aux_loss = weighted;
   }
 

@@ -704,28 +704,52 @@ TEST(Trainer, PipelineWithTensorAndContextParallelTrainsLikeOneRank) {
 // --pp 2 with MoE layers split over --ep 2 (4 ranks) trains like the same mesh without a
 // pipeline (2 ranks): each stage's balancing loss goes backward with its microbatch, so with
 // one microbatch the losses, balancing losses (logged, and printed with each step) and grad
-// norms agree within rounding (measured: losses equal, grad norms within 5e-9 relative;
-// without the balancing loss the grad norm moves by 3e-3).
-TEST(Trainer, PipelineWithExpertParallelTrainsLikeWithout) {
+// norms agree within rounding (measured over 6 steps: losses equal, balancing losses within
+// 1.4e-7 and grad norms within 6e-9 relative; without the balancing loss the grad norm
+// moves by 3e-3). Its checkpoint, experts split over the ep ranks in each stage, resumes
+// without --pp continuing like it, and under --pp ending with its checkpoint byte for byte.
+TEST(Trainer, PipelineWithExpertParallelTrainsLikeWithoutAndResumes) {
   TempDir dir;
   const auto path = [&](const std::string& name) { return (dir.path / name).string(); };
   const std::string flags =
-      "--steps 3 --log-every 1 --layers 4 --experts 4 --ep 2 --balance-loss 0.1 --out ";
-  const ProgramRun plain = run_program(train_command(2, "1x2", "", flags + path("plain")));
-  const ProgramRun pipelined =
-      run_program(train_command(4, "1x2", "", "--pp 2 --microbatches 1 " + flags + path("pp")));
-  ASSERT_EQ(pipelined.exit_code == 0, plain.exit_code == 0) << pipelined.output;
+      "--steps 6 --log-every 1 --layers 4 --experts 4 --ep 2 --balance-loss 0.1 ";
+  const std::string pp = "--pp 2 --microbatches 1 ";
+  const ProgramRun plain =
+      run_program(train_command(2, "1x2", "", flags + "--out " + path("plain")));
+  const ProgramRun pipelined = run_program(train_command(
+      4, "1x2", "",
+      pp + flags + "--save-every 3 --save " + path("saved") + " --out " + path("pp")));
+  // Six steps end above the unigram baseline (exit 1): what matters is that both ran through.
+  ASSERT_NE(verdict(plain.output), "") << plain.output;
+  ASSERT_NE(verdict(pipelined.output), "") << pipelined.output;
   EXPECT_TRUE(std::regex_search(pipelined.output,
-                                std::regex("step +1/3  loss [0-9.]+  balance 0\\.[0-9]{4}  grad")))
+                                std::regex("step +1/6  loss [0-9.]+  balance 0\\.[0-9]{4}  grad")))
       << pipelined.output;
-  for (const std::string field : {"loss", "balance_loss", "grad_norm"}) {
-    const std::vector<double> want = logged(path("plain"), field), got = logged(path("pp"), field);
-    ASSERT_EQ(want.size(), 3u) << plain.output;
-    ASSERT_EQ(got.size(), want.size()) << pipelined.output;
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << field << " at step " << i + 1;
+  const auto expect_near = [&](const std::string& expected, const std::string& actual) {
+    for (const std::string field : {"loss", "balance_loss", "grad_norm"}) {
+      std::vector<double> want = logged(expected, field);
+      const std::vector<double> got = logged(actual, field);
+      ASSERT_GE(want.size(), got.size()) << field;
+      want.erase(want.begin(), want.end() - static_cast<std::ptrdiff_t>(got.size()));
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << field << " at step " << 7 - got.size() + i;
+      }
     }
-  }
+  };
+  ASSERT_EQ(logged(path("pp"), "loss").size(), 6u) << pipelined.output;
+  expect_near(path("plain"), path("pp"));
+
+  const std::string checkpoint = checkpoint_dir_for_step(path("saved"), 3);
+  const ProgramRun resumed = run_program(
+      train_command(2, "1x2", "", flags + "--resume " + checkpoint + " --out " + path("resumed")));
+  EXPECT_TRUE(contains(resumed.output, "resumed from " + checkpoint + " after 3 steps"))
+      << resumed.output;
+  ASSERT_EQ(logged(path("resumed"), "loss").size(), 3u) << resumed.output;
+  expect_near(path("pp"), path("resumed"));
+  const ProgramRun again = run_program(train_command(
+      4, "1x2", "", pp + flags + "--resume " + checkpoint + " --save " + path("again")));
+  ASSERT_NE(verdict(again.output), "") << again.output;
+  expect_same_checkpoint(path("saved"), path("again"), 6, 4);
 }
 
 // --pp 2 checkpoints hold the whole decoder, each stage's part under the whole model's
