@@ -226,21 +226,14 @@ struct BlockOutput {
 inline BlockOutput run_block(hp::Sharded<DecoderBlock> block, const at::Tensor& x,
                              const std::optional<hp::RecomputeOptions>& recompute) {
   const bool balanced = block->moe && block->moe->options.load_balance_coef > 0;
-  if (!recompute) {
-    at::Tensor hidden = block(x);
-    return {hidden, balanced ? block->moe->aux_loss() : at::Tensor()};
-  }
-  if (!balanced) {
-    return {hp::recompute([block](const at::Tensor& y) mutable { return block(y); }, x, *recompute),
-            at::Tensor()};
-  }
-  const std::vector<at::Tensor> outputs = hp::recompute(
-      [block](const std::vector<at::Tensor>& in) mutable {
-        at::Tensor hidden = block(in[0]);
-        return std::vector<at::Tensor>{hidden, block->moe->aux_loss()};
-      },
-      {x}, *recompute);
-  return {outputs[0], outputs[1]};
+  auto run = [block, balanced](const std::vector<at::Tensor>& in) mutable {
+    std::vector<at::Tensor> out{block(in[0])};
+    if (balanced) out.push_back(block->moe->aux_loss());
+    return out;
+  };
+  const std::vector<at::Tensor> outputs =
+      recompute ? hp::recompute(run, {x}, *recompute) : run({x});
+  return {outputs[0], balanced ? outputs[1] : at::Tensor()};
 }
 
 // GPT-2 style: N(0, 0.02), residual output projections scaled down by depth, so that

@@ -306,6 +306,19 @@ class StepRun {
     if (weighted.requires_grad()) at(action).aux_loss = weighted;
   }
 
+  // One backward from `root` (given `grad`; undefined for a scalar loss) and, with it, from
+  // the microbatch's aux loss when it has one: a single engine run, so that fully_shard's
+  // reduction after the last backward includes the aux loss's gradients.
+  static void backward_from(const at::Tensor& root, const at::Tensor& grad,
+                            const at::Tensor& aux_loss) {
+    std::vector<at::Tensor> roots{root}, grads{grad};
+    if (aux_loss.defined()) {
+      roots.push_back(aux_loss);
+      grads.emplace_back();  // ones, the aux loss being a scalar
+    }
+    torch::autograd::backward(roots, grads);
+  }
+
   void backward(const PipelineAction& action, const PipelineAction* next) {
     Microbatch& mb = at(action);
     PipelineStage& chunk = chunks_[action.chunk];
@@ -315,11 +328,7 @@ class StepRun {
     if (is_last(action.chunk)) {
       if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
-      if (mb.aux_loss.defined()) {
-        torch::autograd::backward({mb.loss, mb.aux_loss});
-      } else {
-        mb.loss.backward();
-      }
+      backward_from(mb.loss, at::Tensor(), mb.aux_loss);
     } else {
       wait_received(action);
       // The next stage has its output: a gradient came back from it.
@@ -327,12 +336,7 @@ class StepRun {
       mb.output_sent = CommHandle();
       if (next) post_receive(*next);
       note(trace::Kind::kBegin, "pp_backward", action);
-      if (mb.aux_loss.defined()) {
-        torch::autograd::backward({mb.output, mb.aux_loss},
-                                  {mb.output_grad, at::ones_like(mb.aux_loss)});
-      } else {
-        torch::autograd::backward({mb.output}, {mb.output_grad});
-      }
+      backward_from(mb.output, mb.output_grad, mb.aux_loss);
     }
     note(trace::Kind::kEnd, "pp_backward", action);
     if (!is_first(action.chunk)) {
