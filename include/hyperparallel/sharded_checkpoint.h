@@ -93,12 +93,15 @@ bool is_complete_checkpoint(const std::string& dir);
 
 // The complete checkpoint under `root` with the highest step, for resuming: among the
 // subdirectories named "step-<N>" (as checkpoint_dir_for_step makes them) that are
-// complete and whose index is intact (its CRC-32 and its pieces covering every tensor
-// once; the pieces' own CRCs are checked as they load). Newer complete ones with a damaged
-// index are passed over, each with the reason appended to `skipped` when given. Unset
-// when there is none (or no `root`).
+// complete and intact: its index (its CRC-32 and its pieces covering every tensor once) and
+// every file the index names, present and holding its pieces within its size (headers
+// read, so a missing or truncated rank file is found). `check_data` also reads every
+// piece and checks its CRC-32 (the whole checkpoint read); otherwise the pieces' CRCs are
+// checked as they load. Newer complete ones that are damaged are passed over, each with
+// the reason appended to `skipped` when given. Unset when there is none (or no `root`).
 std::optional<std::string> latest_checkpoint(const std::string& root,
-                                             std::vector<std::string>* skipped = nullptr);
+                                             std::vector<std::string>* skipped = nullptr,
+                                             bool check_data = false);
 
 // "<root>/step-<step>", the step zero-padded to 8 digits so that names sort by step.
 std::string checkpoint_dir_for_step(const std::string& root, int64_t step);

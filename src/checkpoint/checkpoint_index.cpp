@@ -42,11 +42,19 @@ bool overlap(const CheckpointPiece& a, const CheckpointPiece& b) {
 }
 
 // Whether `piece` is a part `tensor` has already (ranks that hold the same values write
-// the same piece: the first file's is kept). Throws when the copies differ.
-bool is_copy_of_indexed(const std::string& name, const IndexedTensor& tensor,
-                        const CheckpointPiece& piece) {
+// the same piece: the first file's is kept). Throws when the copies differ, and when
+// neither copy has a CRC to compare (files PyTorch wrote: it writes each piece once, so
+// a second copy is a file left from another save, and nothing tells which is current).
+bool is_copy_of_indexed(const std::string& dir, const std::string& name,
+                        const IndexedTensor& tensor, const CheckpointPiece& piece) {
   for (const auto& indexed : tensor.pieces) {
     if (indexed.offsets != piece.offsets || indexed.shape != piece.shape) continue;
+    if (indexed.crc32.empty() && piece.crc32.empty()) {
+      C10_THROW_ERROR(ValueError, dir + ": tensor '" + name + "': " + indexed.file + " and " +
+                                      piece.file +
+                                      " both hold the same part and neither has a checksum "
+                                      "(a file left from another save?); remove the stale file");
+    }
     if (!indexed.crc32.empty() && !piece.crc32.empty() && indexed.crc32 != piece.crc32) {
       C10_THROW_ERROR(Error, "tensor '" + name + "': " + indexed.file + " and " + piece.file +
                                  " hold the same part with different values (replicas that "
@@ -155,7 +163,7 @@ CheckpointIndex index_from_files(const std::string& dir, const std::vector<std::
         }
         CheckpointPiece piece{file, std::move(record.offsets), entry.shape,
                               std::move(record.crc32)};
-        if (!is_copy_of_indexed(name, found->second, piece)) {
+        if (!is_copy_of_indexed(dir, name, found->second, piece)) {
           found->second.pieces.push_back(std::move(piece));
         }
       }

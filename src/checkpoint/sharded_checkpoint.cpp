@@ -81,11 +81,36 @@ std::vector<std::string> safetensors_files(const std::string& dir) {
   return files;
 }
 
+// The files a consolidated directory's weight map (`path`) names, sorted, each checked
+// present among `files`, and where it puts each tensor.
+std::map<std::string, std::string> read_weight_map(const fs::path& path,
+                                                   const std::vector<std::string>& files,
+                                                   const std::string& caller) {
+  std::ifstream in(path);
+  std::map<std::string, std::string> file_of;
+  try {
+    const nlohmann::json root = nlohmann::json::parse(in);
+    for (const auto& [name, file] : root.at("weight_map").items()) {
+      file_of.emplace(name, file.get<std::string>());
+    }
+  } catch (const nlohmann::json::exception& error) {
+    C10_THROW_ERROR(ValueError, caller + ": " + path.string() + " is malformed: " + error.what());
+  }
+  for (const auto& [name, file] : file_of) {
+    if (!std::binary_search(files.begin(), files.end(), file)) {
+      C10_THROW_ERROR(ValueError, caller + ": " + path.string() + " puts '" + name + "' in " +
+                                      file + ", which is missing (a save that did not finish?)");
+    }
+  }
+  return file_of;
+}
+
 // The index of a directory PyTorch's Distributed Checkpoint wrote with
 // HuggingFaceStorageWriter: sharded files (each piece's offsets in DCP_SHARDING_INFO) or
 // consolidated ones (whole tensors, listed in model.safetensors.index.json). DCP writes no
-// completion marker nor checksums: the pieces must cover every tensor, and the files the
-// weight map lists must all be there.
+// completion marker nor checksums: the pieces must cover every tensor, each exactly once;
+// a consolidated directory is read from the files its weight map names alone (others may
+// be left from an earlier save), each holding what the map says.
 detail::CheckpointIndex index_of_pytorch_checkpoint(const std::string& dir,
                                                     const std::string& caller) {
   const std::vector<std::string> files = safetensors_files(dir);
@@ -106,22 +131,31 @@ detail::CheckpointIndex index_of_pytorch_checkpoint(const std::string& dir,
                                     "Distributed Checkpoint wrote; pass a checkpoint directory");
   }
   const fs::path weight_map = fs::path(dir) / kDcpWeightMap;
-  if (fs::exists(weight_map)) {
-    std::ifstream in(weight_map);
-    try {
-      for (const auto& [name, file] : nlohmann::json::parse(in).at("weight_map").items()) {
-        if (!std::binary_search(files.begin(), files.end(), file.get<std::string>())) {
-          C10_THROW_ERROR(ValueError, caller + ": " + weight_map.string() + " puts '" + name +
-                                          "' in " + file.get<std::string>() +
-                                          ", which is missing (a save that did not finish?)");
-        }
+  if (!fs::exists(weight_map)) return detail::index_from_files(dir, files);
+  const std::map<std::string, std::string> file_of = read_weight_map(weight_map, files, caller);
+  std::set<std::string> named;
+  for (const auto& [name, file] : file_of) named.insert(file);
+  detail::CheckpointIndex index =
+      detail::index_from_files(dir, std::vector<std::string>(named.begin(), named.end()));
+  for (const auto& [name, tensor] : index) {
+    const auto it = file_of.find(name);
+    for (const auto& piece : tensor.pieces) {
+      if (it == file_of.end() || it->second != piece.file) {
+        C10_THROW_ERROR(ValueError,
+                        caller + ": " + dir + "/" + piece.file + " holds tensor '" + name +
+                            "', which " + weight_map.string() +
+                            (it == file_of.end() ? " does not list" : " puts in " + it->second) +
+                            "; the directory mixes two saves");
       }
-    } catch (const nlohmann::json::exception& error) {
-      C10_THROW_ERROR(ValueError,
-                      caller + ": " + weight_map.string() + " is malformed: " + error.what());
     }
   }
-  return detail::index_from_files(dir, files);
+  for (const auto& [name, file] : file_of) {
+    if (!index.contains(name)) {
+      C10_THROW_ERROR(ValueError, caller + ": " + weight_map.string() + " puts '" + name + "' in " +
+                                      file + ", which does not hold it");
+    }
+  }
+  return index;
 }
 
 // A saved checkpoint, read piece by piece: one of ours (COMPLETE), or one PyTorch wrote.
@@ -237,6 +271,33 @@ class ShardedCheckpointReader {
   std::map<std::string, std::unique_ptr<detail::SafetensorsReader>> files_;
 };
 
+// Throws c10::Error when a file `index` names is missing or does not hold its pieces as
+// indexed within its size (a truncated file's header places them past its end); reads
+// the files' headers only.
+void check_files(const std::string& dir, const detail::CheckpointIndex& index) {
+  std::map<std::string, std::vector<std::pair<std::string, const detail::CheckpointPiece*>>>
+      by_file;
+  for (const auto& [name, tensor] : index) {
+    for (const auto& piece : tensor.pieces) by_file[piece.file].emplace_back(name, &piece);
+  }
+  for (const auto& [file, pieces] : by_file) {
+    const std::string path = dir + "/" + file;
+    std::unique_ptr<detail::SafetensorsReader> reader;
+    try {
+      reader = std::make_unique<detail::SafetensorsReader>(path);
+    } catch (const c10::Error& error) {
+      C10_THROW_ERROR(Error, dir + " is damaged: " + error.what_without_backtrace());
+    }
+    for (const auto& [name, piece] : pieces) {
+      const auto entry = reader->entries().find(name);
+      if (entry == reader->entries().end() || entry->second.shape != piece->shape) {
+        C10_THROW_ERROR(Error, dir + " is damaged: " + path + " does not hold tensor '" + name +
+                                   "' as its index says");
+      }
+    }
+  }
+}
+
 // Adds to `used` the entries of `source` that other ranks of `group` use: strict loading
 // asks that every entry be used by some rank, since each pipeline stage loads only its
 // own layers. The index, hence the order of `source.names`, is the same on every rank.
@@ -339,7 +400,7 @@ bool is_complete_checkpoint(const std::string& dir) {
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root,
-                                             std::vector<std::string>* skipped) {
+                                             std::vector<std::string>* skipped, bool check_data) {
   std::error_code error;
   fs::directory_iterator entries(root, error);
   if (error) return std::nullopt;
@@ -354,7 +415,12 @@ std::optional<std::string> latest_checkpoint(const std::string& root,
   }
   for (const auto& [step, dir] : complete) {
     try {
-      verified_index(dir);
+      const detail::CheckpointIndex index = verified_index(dir);
+      check_files(dir, index);
+      if (check_data) {
+        ShardedCheckpointReader reader(dir, "latest_checkpoint");
+        for (const auto& [name, tensor] : index) reader.read_whole(name);
+      }
       return dir;
     } catch (const std::exception& damage) {
       if (skipped) skipped->push_back(detail::message_of(damage));

@@ -11,6 +11,7 @@
 //                             fully_shard-ed on more) and checks it against DIR-reference.pt:
 //                             every tensor bitwise, the loss of its batch within 1e-6; on
 //                             one rank also hp::convert_to_full_checkpoint's file of it
+//   dcp_interop refuse DIR TEXT  loading DIR must fail on every rank, saying TEXT
 //
 // A batch is int64 tokens [B, T + 1]; its loss is the mean next-token cross-entropy of the
 // logits of tokens[:, :T] against tokens[:, 1:]. kConfig is dcp_interop.py's CONFIG.
@@ -147,12 +148,29 @@ bool import_checkpoint(const std::string& dir, const hp::World& world) {
   return true;
 }
 
+// Whether loading `dir` fails on every rank with an error that says `expected`.
+bool refuses(const std::string& dir, const std::string& expected, const hp::World& world) {
+  hp::Sharded<Transformer> model = build_model(99, world.size());
+  try {
+    hp::load_sharded_checkpoint(dir, *model);
+  } catch (const c10::Error& error) {
+    const std::string message = error.what_without_backtrace();
+    const bool named = message.find(expected) != std::string::npos;
+    std::printf("%s %s: refused (%s)\n", named ? "as expected," : "FAILED", dir.c_str(),
+                message.c_str());
+    return named;
+  }
+  std::printf("FAILED %s: loaded; expected an error saying '%s'\n", dir.c_str(), expected.c_str());
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc >= 3 ? argv[1] : "";
-  if (!(mode == "export" && argc == 3) && mode != "import") {
-    std::fprintf(stderr, "usage: hp-run -n N -- %s export DIR | import DIR...\n", argv[0]);
+  if (!(mode == "export" && argc == 3) && mode != "import" && !(mode == "refuse" && argc == 4)) {
+    std::fprintf(stderr, "usage: hp-run -n N -- %s export DIR | import DIR... | refuse DIR TEXT\n",
+                 argv[0]);
     return 2;
   }
   at::set_num_threads(1);  // the ranks share the machine's cores
@@ -162,6 +180,7 @@ int main(int argc, char** argv) {
       export_checkpoint(argv[2], *world);
       return 0;
     }
+    if (mode == "refuse") return refuses(argv[2], argv[3], *world) ? 0 : 1;
     bool ok = true;
     for (int i = 2; i < argc; ++i) ok = import_checkpoint(argv[i], *world) && ok;
     return ok ? 0 : 1;

@@ -446,6 +446,57 @@ HP_DIST_TEST(ShardedCheckpoint, ADamagedIndexIsRefusedAndPassedOver, 2) {
   remove_after_all_ranks(dir);
 }
 
+// A complete checkpoint whose index is intact but one of whose rank files is truncated or
+// missing is passed over by latest_checkpoint (its files' headers are read), naming the
+// file; a piece whose bytes changed at the same size is found by the CRC pass only.
+HP_DIST_TEST(ShardedCheckpoint, LatestCheckpointPassesOverMissingTruncatedOrDamagedFiles, 2) {
+  auto world = testing::world();
+  Sharded<Transformer> model = sharded_transformer(42, {});
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  train_one_step(model, opt);
+  const std::string dir = shared_dir("hp_sharded_files");
+  const std::string first = checkpoint_dir_for_step(dir, 1);
+  const std::string second = checkpoint_dir_for_step(dir, 2);
+  save_sharded_checkpoint(first, *model, &opt);
+  save_sharded_checkpoint(second, *model, &opt);
+  const std::string file = second + "/rank-00001.safetensors";
+  const std::string saved = read_file(file);
+  // Each step changes the file on rank 0 while the others wait, then every rank looks.
+  const auto on_rank0 = [&](const std::function<void()>& change) {
+    barrier(*world->world_group()).wait();
+    if (world->rank() == 0) change();
+    barrier(*world->world_group()).wait();
+  };
+  const auto write = [&](const std::string& bytes) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  };
+  EXPECT_EQ(latest_checkpoint(dir), second);
+
+  on_rank0([&] { write(saved.substr(0, saved.size() / 2)); });
+  std::vector<std::string> skipped;
+  EXPECT_EQ(latest_checkpoint(dir, &skipped), first);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], second + " is damaged: " + file)) << skipped[0];
+
+  on_rank0([&] { std::filesystem::remove(file); });
+  skipped.clear();
+  EXPECT_EQ(latest_checkpoint(dir, &skipped), first);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], "cannot open " + file)) << skipped[0];
+
+  on_rank0([&] {
+    std::string flipped = saved;
+    flipped.back() = static_cast<char>(flipped.back() ^ 0x40);  // a byte of the last tensor
+    write(flipped);
+  });
+  EXPECT_EQ(latest_checkpoint(dir), second);
+  skipped.clear();
+  EXPECT_EQ(latest_checkpoint(dir, &skipped, /*check_data=*/true), first);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(contains(skipped[0], file + " is damaged: CRC-32")) << skipped[0];
+  remove_after_all_ranks(dir);
+}
+
 // Whether a save left a directory behind (".partial" or ".old", removed by the next save
 // to that name) that was written to after `since`.
 bool save_interrupted_since(const fs::path& root, fs::file_time_type since) {

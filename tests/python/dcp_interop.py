@@ -11,6 +11,10 @@ and writing the directories hp::load_sharded_checkpoint reads.
         what tools/sharded_checkpoint.py assembles from the files (with their CRCs checked),
         and the loss of the stored batch "extra/tokens" within 1e-6 of "extra/loss".
 
+    dcp_interop.py stale FILE COPY
+        Writes COPY: FILE's tensors zeroed, with FILE's metadata (the pieces at the same
+        offsets), as a file left from an earlier save would hold other values.
+
     dcp_interop.py write DIR --mode sharded|consolidated
         Trains the Transformer two steps from a fixed seed, then saves it with dcp.save and
         HuggingFaceStorageWriter: "sharded" from an FSDP2 model (save_distributed, one file
@@ -189,6 +193,15 @@ def write(directory, mode):
     finish(mesh)
 
 
+def stale(file, copy):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(file, framework="pt") as saved:
+        zeros = {name: torch.zeros_like(saved.get_tensor(name)) for name in saved.keys()}
+        save_file(zeros, copy, metadata=saved.metadata())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -196,9 +209,14 @@ def main():
     writing = commands.add_parser("write")
     writing.add_argument("dir")
     writing.add_argument("--mode", choices=["sharded", "consolidated"], required=True)
+    staling = commands.add_parser("stale")
+    staling.add_argument("file")
+    staling.add_argument("copy")
     args = parser.parse_args()
     if args.command == "read":
         read(args.dir)
+    elif args.command == "stale":
+        stale(args.file, args.copy)
     else:
         write(args.dir, args.mode)
 
