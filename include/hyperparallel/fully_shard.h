@@ -112,6 +112,15 @@ class FSDPModule {
   void set_gradient_divide_factor(double factor);
   // Clears sharded gradients, fp32 main grads and gradients kept for accumulation.
   void zero_grad();
+  // CommPolicy::error_feedback, over this module's subtree: the gradient blocks whose
+  // residual was dropped, since the start or the last reset (a block holding an inf or a
+  // NaN cannot be carried, so its residual starts again from zero; a collective carries
+  // such a block as NaNs). Reads a counter on the device.
+  int64_t error_feedback_blocks_dropped() const;
+  // Every residual of the subtree back to zeros, and the count with them (e.g. after a
+  // step skipped for a non-finite gradient). c10::ValueError when no module of the
+  // subtree has error feedback.
+  void reset_error_feedback();
 
   std::vector<ShardedParamInfo> sharded_params() const;
   // The whole parameter, gathered from all shards, and from all tensor-parallel slices

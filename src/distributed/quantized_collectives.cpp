@@ -119,13 +119,17 @@ CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
                                               const std::vector<at::Tensor>& inputs, ReduceOp op,
                                               const Group& group, CommCodec codec,
                                               int64_t block_size,
-                                              const std::vector<at::Tensor>& residuals) {
+                                              const std::vector<at::Tensor>& residuals,
+                                              const at::Tensor& dropped_blocks) {
   require_codec("quantized_reduce_scatter", codec, block_size);
   require_parts("quantized_reduce_scatter", inputs, "input", outputs, "output", group);
   TORCH_CHECK_VALUE(op == ReduceOp::kSum || op == ReduceOp::kAvg,
                     "quantized_reduce_scatter: reduce op ", to_string(op),
                     " is not a sum; only sum and avg are quantized");
   require_residuals(residuals, inputs);
+  TORCH_CHECK_VALUE(!dropped_blocks.defined() ||
+                        (dropped_blocks.dim() == 0 && dropped_blocks.scalar_type() == at::kLong),
+                    "quantized_reduce_scatter: dropped_blocks must be an int64 scalar tensor");
   if (!group.communicates()) {
     std::vector<CommHandle> copies;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -141,9 +145,13 @@ CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
     if (!residuals.empty()) values = values.to(at::kFloat) + residuals[i].view({peers, n});
     rows.push_back(quantize_blocks(values, codec, block_size));
     if (!residuals.empty()) {
-      residuals[i]
-          .view({peers, n})
-          .copy_(values - dequantize_blocks(rows.back(), block_size, at::kFloat));
+      at::Tensor residual = residuals[i].view({peers, n});
+      residual.copy_(values - dequantize_blocks(rows.back(), block_size, at::kFloat));
+      // A non-finite block's codes are all NaN, and so its residual: all of it dropped.
+      residual.masked_fill_(residual.isfinite().logical_not(), 0.0);
+      if (dropped_blocks.defined()) {
+        dropped_blocks.add_(rows.back().scales.isfinite().logical_not().sum());
+      }
     }
   }
   const at::Tensor packed = pack(rows);
@@ -175,10 +183,11 @@ CommHandle quantized_reduce_scatter_coalesced(std::vector<at::Tensor> outputs,
 
 CommHandle quantized_reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
                                     const Group& group, CommCodec codec, int64_t block_size,
-                                    const at::Tensor& residual) {
+                                    const at::Tensor& residual, const at::Tensor& dropped_blocks) {
   return quantized_reduce_scatter_coalesced(
       {std::move(output)}, {input}, op, group, codec, block_size,
-      residual.defined() ? std::vector<at::Tensor>{residual} : std::vector<at::Tensor>{});
+      residual.defined() ? std::vector<at::Tensor>{residual} : std::vector<at::Tensor>{},
+      dropped_blocks);
 }
 
 }  // namespace hp

@@ -82,12 +82,13 @@ CommHandle gather(const at::Tensor& output, const at::Tensor& input, const Group
 }
 
 CommHandle scatter(const at::Tensor& output, const at::Tensor& input, const Group& group,
-                   const CommPolicy& policy, const at::Tensor& residual) {
+                   const CommPolicy& policy, const at::Tensor& residual,
+                   const at::Tensor& dropped_blocks) {
   if (policy.reduce_scatter_codec == CommCodec::kNone) {
     return reduce_scatter(output, input, ReduceOp::kSum, group);
   }
   return quantized_reduce_scatter(output, input, ReduceOp::kSum, group, policy.reduce_scatter_codec,
-                                  policy.block_size, residual);
+                                  policy.block_size, residual, dropped_blocks);
 }
 
 }  // namespace
@@ -212,7 +213,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          double divide_before, const CommFusion& fusion,
                                          const CommPolicy& policy, const ResidualOf& residual_of,
-                                         bool keep_grads, ReduceBufferStats& stats) {
+                                         const at::Tensor& dropped_blocks, bool keep_grads,
+                                         ReduceBufferStats& stats) {
   c10::NoGradGuard no_grad;
   ReduceScatterResult result;
   const int64_t align = std::max<int64_t>(1, kSlotAlignmentBytes / c10::elementSize(reduce_dtype));
@@ -287,7 +289,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
           }
           reduce_scatters.push_back(
               scatter(result.buffer.narrow(0, bucket.begin, bucket.end - bucket.begin),
-                      bucket_rows(input, bucket, shards).view(-1), group, policy, bucket_residual));
+                      bucket_rows(input, bucket, shards).view(-1), group, policy, bucket_residual,
+                      dropped_blocks));
           if (residual.defined()) {  // the quantizing call left what its codes did not carry
             const std::vector<at::Tensor> parts = residual_columns(bucket);
             for (size_t i = bucket.first; i < bucket.last; ++i) {
@@ -321,9 +324,9 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
   }
   if (policy.reduce_scatter_codec != CommCodec::kNone) {
     // As the quantized all-gather: blocks of each parameter's own, one message per peer.
-    result.handle = quantized_reduce_scatter_coalesced(slots, parts, ReduceOp::kSum, group,
-                                                       policy.reduce_scatter_codec,
-                                                       policy.block_size, residuals);
+    result.handle = quantized_reduce_scatter_coalesced(
+        slots, parts, ReduceOp::kSum, group, policy.reduce_scatter_codec, policy.block_size,
+        residuals, dropped_blocks);
     return result;
   }
   result.handle = coalesced(group, options.device().type(), [&] {

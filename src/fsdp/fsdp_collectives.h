@@ -116,7 +116,8 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead (per
 // parameter, all of a module's in one collective, as the all-gathers), and
 // with policy.error_feedback carries the residuals `residual_of` gives (the fused input
-// carries its parameters' residuals, copied in and back out).
+// carries its parameters' residuals, copied in and back out); `dropped_blocks` counts the
+// blocks whose residual was dropped (quantized_collectives.h).
 // A parameter's error-feedback residual on `device`: [shards x padded_numel] fp32,
 // rank-major like its reduce-scatter input, kept from one reduction to the next.
 using ResidualOf = std::function<at::Tensor(const FSDPParam& param, c10::Device device)>;
@@ -125,7 +126,8 @@ ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          double divide_before, const CommFusion& fusion,
                                          const CommPolicy& policy, const ResidualOf& residual_of,
-                                         bool keep_grads, ReduceBufferStats& stats);
+                                         const at::Tensor& dropped_blocks, bool keep_grads,
+                                         ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,
 // before dropping buffers that collectives already issued still write into.

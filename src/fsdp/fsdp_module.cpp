@@ -99,6 +99,24 @@ void FSDPModule::zero_grad() {
   for (auto& s : state_->subtree()) s->param_group().zero_grad();
 }
 
+int64_t FSDPModule::error_feedback_blocks_dropped() const {
+  int64_t dropped = 0;
+  for (auto& s : state_->subtree()) dropped += s->param_group().dropped_residual_blocks();
+  return dropped;
+}
+
+void FSDPModule::reset_error_feedback() {
+  bool any = false;
+  for (auto& s : state_->subtree()) {
+    if (!s->param_group().error_feedback()) continue;
+    s->param_group().reset_error_feedback();
+    any = true;
+  }
+  TORCH_CHECK_VALUE(any,
+                    "reset_error_feedback: no fully_shard-ed module under this one has "
+                    "CommPolicy::error_feedback");
+}
+
 std::vector<ShardedParamInfo> FSDPModule::sharded_params() const {
   std::vector<ShardedParamInfo> infos;
   const std::vector<std::string>& dims = state_->param_group().mesh_info().dims;

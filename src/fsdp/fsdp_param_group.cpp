@@ -279,8 +279,17 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
     }
     return residual;
   };
+  if (comm_policy_.error_feedback &&
+      (!dropped_residual_blocks_.defined() ||
+       dropped_residual_blocks_.device() != grads.front().device())) {
+    dropped_residual_blocks_ =
+        dropped_residual_blocks_.defined()
+            ? dropped_residual_blocks_.to(grads.front().device())
+            : at::zeros({}, at::dtype(at::kLong).device(grads.front().device()));
+  }
   r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
                                    divide.before, comm_fusion_, comm_policy_, residual_of,
+                                   dropped_residual_blocks_,
                                    /*keep_grads=*/streams_->active(), stats_);
   trace::record_bytes("reduce_scatter", label_,
                       detail::wire_bytes_sent_by_this_thread() - sent_before);
@@ -312,6 +321,17 @@ void FSDPParamGroup::set_residual(const FSDPParam& param, at::Tensor residual) {
       "the error-feedback residual of '", param.name(), "' is fp32 of shape ",
       c10::IntArrayRef(shape), ", got ", residual.scalar_type(), " of shape ", residual.sizes());
   residuals_[&param] = residual.contiguous();
+}
+
+int64_t FSDPParamGroup::dropped_residual_blocks() const {
+  return dropped_residual_blocks_.defined() ? dropped_residual_blocks_.item<int64_t>() : 0;
+}
+
+void FSDPParamGroup::reset_error_feedback() {
+  TORCH_CHECK_VALUE(comm_policy_.error_feedback, "fully_shard module '", label_,
+                    "' keeps no error-feedback residual (CommPolicy::error_feedback is off)");
+  residuals_.clear();
+  dropped_residual_blocks_ = at::Tensor();
 }
 
 void FSDPParamGroup::wait_reduce_scatter() {

@@ -131,6 +131,11 @@ class FSDPParamGroup {
   // at the next reduction. Throws c10::ValueError for another shape or dtype, or without
   // error feedback.
   void set_residual(const FSDPParam& param, at::Tensor residual);
+  // The blocks whose residual was dropped since the last reset (a non-finite gradient
+  // block cannot be carried; quantized_collectives.h). Reads the device's counter.
+  int64_t dropped_residual_blocks() const;
+  // Every residual back to zeros, and the count with them.
+  void reset_error_feedback();
 
  private:
   enum class State { kSharded, kPending, kUnsharded };
@@ -163,6 +168,7 @@ class FSDPParamGroup {
   CommFusion comm_fusion_;
   CommPolicy comm_policy_;
   std::map<const FSDPParam*, at::Tensor> residuals_;  // error feedback, made when first used
+  at::Tensor dropped_residual_blocks_;  // int64 scalar on the gradients' device, when made
   std::string label_ = "module";
   State state_ = State::kSharded;
   CommHandle pending_unshard_;

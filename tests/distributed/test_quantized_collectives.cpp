@@ -4,6 +4,8 @@
 // communicates: tests/CMakeLists.txt runs these once more with HP_ONE_RANK_GROUPS_COMMUNICATE=1.)
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "distributed_test.h"
 #include "error_of.h"
 #include "hyperparallel/mesh.h"
@@ -198,6 +200,38 @@ HP_DIST_TEST(QuantizedCollectives, ErrorFeedbackKeepsTheSummedErrorOfOneCall, 2,
                                        CommCodec::kInt8, kBlock, torch::zeros({n}));
             }).find("the residual must be a contiguous fp32 tensor of"),
             std::string::npos);
+}
+
+// A block holding an inf cannot be carried: its residual is dropped (zero) and counted,
+// the other blocks keep theirs, and the next call with finite input is as if the inf
+// block had never been sent (a residual of NaN would have made every later output NaN).
+HP_DIST_TEST(QuantizedCollectives, ErrorFeedbackDropsANonFiniteBlock, 2, 3) {
+  const Group& group = *testing::world()->world_group();
+  const int64_t n = 2 * kBlock;  // two blocks per peer's row
+  const at::Tensor input = input_of(group.rank(), n * group.size(), at::kFloat);
+  at::Tensor poisoned = input.clone();
+  poisoned[1] = std::numeric_limits<float>::infinity();  // the first block of peer 0's row
+  const at::Tensor residual = torch::zeros({n * group.size()});
+  const at::Tensor dropped = torch::zeros({}, torch::kLong);
+  quantized_reduce_scatter(torch::empty({n}), poisoned, ReduceOp::kSum, group, CommCodec::kInt8,
+                           kBlock, residual, dropped)
+      .wait();
+  EXPECT_EQ(dropped.item<int64_t>(), 1);
+  EXPECT_TRUE(residual.isfinite().all().item<bool>());
+  EXPECT_TRUE(torch::equal(residual.narrow(0, 0, kBlock), torch::zeros({kBlock})));
+  // The residual of the other blocks is what the same call without the inf keeps.
+  const at::Tensor finite_residual = torch::zeros({n * group.size()});
+  quantized_reduce_scatter(torch::empty({n}), input, ReduceOp::kSum, group, CommCodec::kInt8,
+                           kBlock, finite_residual)
+      .wait();
+  EXPECT_TRUE(torch::equal(residual.narrow(0, kBlock, n * group.size() - kBlock),
+                           finite_residual.narrow(0, kBlock, n * group.size() - kBlock)));
+  at::Tensor out = torch::empty({n});
+  quantized_reduce_scatter(out, input, ReduceOp::kSum, group, CommCodec::kInt8, kBlock, residual,
+                           dropped)
+      .wait();
+  EXPECT_TRUE(out.isfinite().all().item<bool>());
+  EXPECT_EQ(dropped.item<int64_t>(), 1);
 }
 
 HP_DIST_TEST(QuantizedCollectives, BadArgumentsAreNamed, 2) {

@@ -5,6 +5,9 @@
 // reruns bit for bit; error feedback's residuals resume from a checkpoint.
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+
 #include "distributed_test.h"
 #include "error_of.h"
 #include "fsdp_test_util.h"
@@ -306,6 +309,58 @@ HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackResumesFromACheckpointBitwise, 2,
     }
   }
   testing::remove_after_all_ranks(dir);
+}
+
+// A step whose gradients hold inf/NaN (skipped, as a trainer does) leaves no NaN in the
+// error-feedback residuals: the blocks that held them are dropped and counted, training
+// goes on finite; reset_error_feedback then continues exactly as a run whose residuals
+// were reset at the same step without ever seeing the non-finite one.
+HP_DIST_TEST(FullyShardQuantized, ErrorFeedbackRecoversFromANonFiniteStep, 2) {
+  const int64_t ranks = testing::world()->size();
+  const int64_t rank = testing::world()->rank();
+  const CommPolicy policy = {.all_gather_codec = CommCodec::kInt8,
+                             .reduce_scatter_codec = CommCodec::kInt8,
+                             .block_size = kBlock,
+                             .error_feedback = true};
+  for (const bool comm_fusion : {false, true}) {
+    SCOPED_TRACE(comm_fusion ? "comm_fusion" : "per parameter");
+    // poisoned: a backward with an inf in rank 0's batch before step 2, its gradients
+    // dropped; reset: the residuals reset before step 2.
+    const auto train = [&](bool poisoned, bool reset) {
+      QuantizedMlp f(policy, comm_fusion);
+      torch::optim::AdamW opt(f.model->parameters(), torch::optim::AdamWOptions(1e-2));
+      std::vector<double> losses = train_steps(f, opt, 0, 2);
+      EXPECT_EQ(f.root().error_feedback_blocks_dropped(), 0);
+      if (poisoned) {
+        auto [x, y] = QuantizedMlp::batch(100);
+        if (rank == 0) x[0][0] = std::numeric_limits<float>::infinity();
+        opt.zero_grad();
+        torch::mse_loss(f.model(testing::local_batch(x, rank, ranks)),
+                        testing::local_batch(y, rank, ranks))
+            .backward();
+        opt.zero_grad();  // the step is skipped
+        // Only rank 0's gradients held them (the others' blocks of its rows come back NaN).
+        if (rank == 0) {
+          EXPECT_GT(f.root().error_feedback_blocks_dropped(), 0);
+        } else {
+          EXPECT_EQ(f.root().error_feedback_blocks_dropped(), 0);
+        }
+        for (const auto& param : f.model->parameters()) {
+          const at::Tensor residual = sharded_parameter_of(param)->error_feedback_residual();
+          EXPECT_TRUE(residual.isfinite().all().item<bool>());
+        }
+      }
+      if (reset) {
+        f.root().reset_error_feedback();
+        EXPECT_EQ(f.root().error_feedback_blocks_dropped(), 0);
+      }
+      const std::vector<double> later = train_steps(f, opt, 2, 3);
+      losses.insert(losses.end(), later.begin(), later.end());
+      return losses;
+    };
+    for (const double loss : train(true, false)) EXPECT_TRUE(std::isfinite(loss));
+    EXPECT_EQ(train(true, true), train(false, true));
+  }
 }
 
 // The trace's collectives carry the bytes each sent: together what hp::wire_bytes counted,
