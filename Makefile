@@ -26,7 +26,7 @@ DEMO_DATA := --data README.md --data docs --data src --data include --data model
 demo: configure
 	$(RUN) cmake --build $(BUILD) -j $(JOBS) --target hp-run train_decoder
 	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_DATA) \
-	    --out $(BUILD)/demo $(DEMO_ARGS)
+	    --out $(BUILD)/demo --require-learning $(DEMO_ARGS)
 
 test: build
 	$(RUN) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) $(CTEST_ARGS)

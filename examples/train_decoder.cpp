@@ -4,7 +4,8 @@
 // stages: examples/trainer/pipeline_stages.h) on text files:
 // training loss and throughput as it goes,
 // validation loss and perplexity every so often, a generated sample at the end. Exits 0
-// only if the final validation loss is below the corpus's unigram baseline. SIGTERM or
+// when the run finished (with --require-learning, only if the final validation loss is
+// below the corpus's unigram baseline), 1 on an error. SIGTERM or
 // SIGINT (a preemption) stops every rank after the same step, with a last-words checkpoint
 // when --save is given, and exits with 128 + the signal (examples/trainer/preemption.h).
 //   hp-run -n 4 -- build/examples/train_decoder --data docs [options] (--help)
@@ -448,7 +449,7 @@ void shard(Decoder& model, const TrainOptions& o, const hp::trainer::ParallelLay
 std::string checkpoint_to_resume(const TrainOptions& o, int64_t rank) {
   if (o.resume != "auto") return o.resume;
   std::vector<std::string> damaged;
-  const std::string latest = hp::latest_checkpoint(o.save, &damaged).value_or("");
+  const std::string latest = hp::latest_checkpoint(o.save, &damaged, o.resume_crc).value_or("");
   if (rank == 0) {
     for (const std::string& why : damaged) {
       std::printf("--resume auto: passing over a damaged checkpoint: %s\n", why.c_str());
@@ -502,9 +503,26 @@ int64_t resume(const std::string& from, torch::nn::Module& model, torch::optim::
 // The checkpoint after `step`: in the background with `saver` (null: before returning).
 // `last_words`: the signal that preempted the run, kept in the checkpoint as "last_words"
 // (0: a regular save; a resumed run treats both alike).
+// Checkpoints never hold inf or NaN weights: every rank checks its part, and all agree.
+void require_finite_weights(torch::nn::Module& model, int64_t step, const Job& job) {
+  at::Tensor non_finite = torch::zeros({}, torch::kLong);
+  for (const auto& param : model.parameters()) {
+    non_finite += param.detach().isfinite().logical_not().sum().cpu();
+  }
+  non_finite = non_finite.to(torch::kFloat).reshape({1});
+  hp::all_reduce(non_finite, hp::ReduceOp::kSum, job.all()).wait();
+  if (non_finite.item<double>() != 0) {
+    C10_THROW_ERROR(Error, "after step " + std::to_string(step) + " the weights hold " +
+                               std::to_string(static_cast<int64_t>(non_finite.item<double>())) +
+                               " inf or NaN values: not saved (the latest checkpoint stays "
+                               "the one to resume from); lower --lr or check the data");
+  }
+}
+
 void save(const TrainOptions& o, int64_t step, torch::nn::Module& model,
           torch::optim::AdamW& optimizer, const Job& job, hp::AsyncCheckpointSaver* saver = nullptr,
           int last_words = 0) {
+  require_finite_weights(model, step, job);
   const std::string dir = hp::checkpoint_dir_for_step(o.save, step);
   hp::StateDict state = run_state(step, job.all(), job.ranks);
   if (last_words != 0) state.insert("last_words", at::scalar_tensor(last_words, at::kLong));
@@ -529,6 +547,7 @@ void save(const TrainOptions& o, int64_t step, torch::nn::Module& model,
 // rank 0 converts.
 void export_full(const TrainOptions& o, torch::nn::Module& model, torch::optim::AdamW& optimizer,
                  const Job& job, bool pipelined) {
+  require_finite_weights(model, o.steps, job);
   const std::string& dir = o.export_dir;
   if (!pipelined) {
     hp::save_full_checkpoint(model, dir + "/model.pt");
@@ -583,6 +602,7 @@ void fail_if_due(const InjectedFault& fault, int64_t step, int64_t rank, bool by
 
 // ---- One training step -----------------------------------------------------------------
 
+// A step's gradients, clipped, before the optimizer's update.
 struct StepResult {
   at::Tensor loss;          // this rank's
   at::Tensor balance_loss;  // the MoE layers' balancing loss, this rank's stages' (or none)
@@ -595,10 +615,9 @@ void set_learning_rate(torch::optim::AdamW& optimizer, const TrainOptions& o, in
   }
 }
 
-StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
-                      const hp::trainer::Batch& batch, int64_t step, const TrainOptions& o,
-                      const hp::trainer::ParallelLayout& layout) {
-  set_learning_rate(optimizer, o, step);
+StepResult step_gradients(Decoder& model, torch::optim::AdamW& optimizer,
+                          const hp::trainer::Batch& batch, const TrainOptions& o,
+                          const hp::trainer::ParallelLayout& layout) {
   optimizer.zero_grad();
   StepResult result;
   result.loss = next_byte_loss(model, batch, layout).first;
@@ -607,15 +626,13 @@ StepResult train_step(Decoder& model, torch::optim::AdamW& optimizer,
   // Shards combined across ranks; an infinite limit only measures the norm.
   result.grad_norm = hp::clip_grad_norm_(
       model->parameters(), o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
-  optimizer.step();
   return result;
 }
 
 // The same through the pipeline's schedule (--pp).
-StepResult pipeline_train_step(hp::trainer::DecoderPipeline& pipeline,
-                               torch::optim::AdamW& optimizer, const hp::trainer::Batch& batch,
-                               int64_t step, const TrainOptions& o) {
-  set_learning_rate(optimizer, o, step);
+StepResult pipeline_step_gradients(hp::trainer::DecoderPipeline& pipeline,
+                                   torch::optim::AdamW& optimizer, const hp::trainer::Batch& batch,
+                                   const TrainOptions& o) {
   optimizer.zero_grad();
   StepResult result;
   const hp::trainer::DecoderPipeline::Losses losses = pipeline.forward_backward(batch);
@@ -623,9 +640,49 @@ StepResult pipeline_train_step(hp::trainer::DecoderPipeline& pipeline,
   result.balance_loss = losses.balance_loss;
   result.grad_norm = pipeline.clip_grad_norm(
       o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity());
-  optimizer.step();
   return result;
 }
+
+// Steps with a non-finite loss or gradient norm on any rank make no update, on every rank;
+// --max-skipped-steps of them in a row stop the run.
+class SkippedSteps {
+ public:
+  SkippedSteps(const TrainOptions& o, int64_t rank) : limit_(o.max_skipped_steps), rank_(rank) {}
+
+  // The step's mean loss over the ranks, and whether its update is to be made: one
+  // all-reduce of the loss and of whether the norm was finite, so every rank decides alike.
+  std::pair<double, bool> decide(const StepResult& result, int64_t step, const Job& job) {
+    at::Tensor values =
+        torch::stack({result.loss.detach().to(torch::kCPU, torch::kFloat),
+                      torch::scalar_tensor(std::isfinite(result.grad_norm) ? 0 : 1)});
+    hp::all_reduce(values, hp::ReduceOp::kAvg, job.all()).wait();
+    const double loss = values[0].item<double>();
+    if (std::isfinite(loss) && values[1].item<double>() == 0) {
+      in_a_row_ = 0;
+      return {loss, true};
+    }
+    ++in_a_row_;
+    ++total_;
+    if (rank_ == 0) {
+      std::fprintf(stderr,
+                   "train_decoder: step %lld skipped (no update): loss %g, gradient norm %g, "
+                   "not finite on some rank; %lld in a row, %lld in all\n",
+                   static_cast<long long>(step), loss, result.grad_norm,
+                   static_cast<long long>(in_a_row_), static_cast<long long>(total_));
+    }
+    if (in_a_row_ >= limit_) {
+      C10_THROW_ERROR(Error, "--max-skipped-steps " + std::to_string(limit_) + ": steps " +
+                                 std::to_string(step - in_a_row_ + 1) + " to " +
+                                 std::to_string(step) +
+                                 " all had a non-finite loss or gradient norm; lower --lr "
+                                 "(or raise --warmup), or check the data");
+    }
+    return {loss, false};
+  }
+
+ private:
+  int64_t limit_, rank_, in_a_row_ = 0, total_ = 0;
+};
 
 // How the run evaluates and samples its model: whole on every rank, or through the
 // pipeline's stages forward only (the last stage's results sent to the others).
@@ -826,10 +883,10 @@ void print_summary(const TrainOptions& o, const Job& job, const TextData& data,
       "measured fp32 matmul)\n",
       100 * achieved / (static_cast<double>(job.ranks) * summary.matmul_rate), achieved / 1e9,
       static_cast<long long>(job.ranks), summary.matmul_rate / 1e9);
-  std::printf("%s: validation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n",
-              summary.learned ? "OK" : "FAILED", summary.validation_loss,
-              std::exp(summary.validation_loss), summary.learned ? "below" : "not below",
-              data.unigram);
+  const char* verdict = !o.require_learning ? "" : summary.learned ? "OK: " : "FAILED: ";
+  std::printf("%svalidation loss %.4f (perplexity %.2f) %s the unigram baseline %.4f\n", verdict,
+              summary.validation_loss, std::exp(summary.validation_loss),
+              summary.learned ? "below" : "not below", data.unigram);
   std::fflush(stdout);
 }
 
@@ -909,6 +966,7 @@ int train(const TrainOptions& o, const std::string& resolved) {
       std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.grace_period * 1000))));
   std::optional<hp::AsyncCheckpointSaver> saver;
   if (o.async_save) saver.emplace();
+  SkippedSteps skipped_steps(o, job.rank);
 
   for (int64_t step = done + 1; step <= o.steps; ++step) {
     fail_if_due(fault, step, job.rank, o.fail_by_kill);
@@ -916,12 +974,17 @@ int train(const TrainOptions& o, const std::string& resolved) {
     const bool traced = !o.trace.empty() && step == done + 3;
     if (traced) hp::trace::start(job.world->device());
     const hp::trainer::Batch batch = data.batches->at_step(step);
-    const StepResult result = pipeline ? pipeline_train_step(*pipeline, optimizer, batch, step, o)
-                                       : train_step(model, optimizer, batch, step, o, layout);
+    set_learning_rate(optimizer, o, step);
+    const StepResult result = pipeline ? pipeline_step_gradients(*pipeline, optimizer, batch, o)
+                                       : step_gradients(model, optimizer, batch, o, layout);
+    const auto [mean_loss, updates] = skipped_steps.decide(result, step, job);
+    if (updates) {
+      optimizer.step();
+    } else {
+      optimizer.zero_grad();
+    }
     if (traced) write_trace(o.trace, job.rank, hp::trace::stop());
 
-    at::Tensor mean_loss = result.loss.detach().clone();
-    hp::all_reduce(mean_loss, hp::ReduceOp::kAvg, job.all()).wait();
     // A signal on any rank stops every rank after this same step: the checkpoint first
     // (after the one in the background, if any), while the grace period lasts.
     const int preempted_by = preemption.agreed_signal(job.all());
@@ -933,8 +996,8 @@ int train(const TrainOptions& o, const std::string& resolved) {
       save(o, step, saved, optimizer, job, saver ? &*saver : nullptr);
     }
     if (progress.logs(step) || progress.evaluates(step)) {
-      hp::trainer::MetricsRecord record =
-          progress.measure(step, mean_loss.item<double>(), result.grad_norm);
+      hp::trainer::MetricsRecord record = progress.measure(step, mean_loss, result.grad_norm);
+      record.skipped = !updates;
       if (o.balances_experts()) {
         at::Tensor mean = result.balance_loss.to(at::kFloat).cpu().clone();
         hp::all_reduce(mean, hp::ReduceOp::kAvg, job.all()).wait();
@@ -965,11 +1028,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
   hp::all_gather(summary.peak_rss_mib, torch::full({1}, peak_rss_mib(), torch::kFloat), job.all())
       .wait();
   print_summary(o, job, data, size, progress, summary);
-  // Every rank exits with the verdict, after rank 0 printed it: a launcher stops the
-  // others at the first nonzero exit.
+  // Every rank exits with the same status, after rank 0 printed the summary: a launcher
+  // stops the others at the first nonzero exit.
   hp::barrier(job.all()).wait();
   job.world->shutdown();  // the process groups end here, not in static destructors
-  return summary.learned ? 0 : 1;
+  return summary.learned || !o.require_learning ? 0 : 1;
 }
 
 // Before the world is joined: only rank 0 (or a plain single process) prints.

@@ -12,6 +12,7 @@ std::string loss_curve_svg(const std::vector<MetricsRecord>& records, const std:
   constexpr double kWidth = 720, kHeight = 400, kLeft = 60, kRight = 20, kTop = 40, kBottom = 50;
   double max_step = 1, low = std::numeric_limits<double>::infinity(), high = 0;
   const auto include = [&](double loss) {
+    if (!std::isfinite(loss)) return;  // a skipped step's: not drawn
     low = std::min(low, loss);
     high = std::max(high, loss);
   };
@@ -79,6 +80,7 @@ std::string loss_curve_svg(const std::vector<MetricsRecord>& records, const std:
     for (const auto& record : records) {
       if (curve.validation && !record.validation_loss) continue;
       const double loss = curve.validation ? *record.validation_loss : record.loss;
+      if (!std::isfinite(loss)) continue;
       std::snprintf(buffer, sizeof buffer, "%s%.1f %.1f", points.empty() ? "M" : " L",
                     x(static_cast<double>(record.step)), y(loss));
       points += buffer;

@@ -8,13 +8,23 @@
 namespace hp::trainer {
 namespace {
 
+// JSON has no inf or NaN: a skipped step's non-finite values are null, read back as NaN.
+nlohmann::json number(double value) {
+  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
+}
+
+double number_of(const nlohmann::json& value) {
+  return value.is_null() ? std::nan("") : value.get<double>();
+}
+
 nlohmann::json to_json(const MetricsRecord& record) {
   nlohmann::json line = {{"step", record.step},
-                         {"loss", record.loss},
-                         {"grad_norm", record.grad_norm},
+                         {"loss", number(record.loss)},
+                         {"grad_norm", number(record.grad_norm)},
                          {"tokens_per_s", record.tokens_per_s},
                          {"elapsed_s", record.elapsed_s}};
-  if (record.balance_loss) line["balance_loss"] = *record.balance_loss;
+  if (record.skipped) line["skipped"] = true;
+  if (record.balance_loss) line["balance_loss"] = number(*record.balance_loss);
   if (record.validation_loss) {
     line["validation_loss"] = *record.validation_loss;
     line["validation_perplexity"] = std::exp(*record.validation_loss);
@@ -25,11 +35,12 @@ nlohmann::json to_json(const MetricsRecord& record) {
 MetricsRecord from_json(const nlohmann::json& line) {
   MetricsRecord record;
   record.step = line.at("step").get<int64_t>();
-  record.loss = line.at("loss").get<double>();
-  record.grad_norm = line.at("grad_norm").get<double>();
+  record.loss = number_of(line.at("loss"));
+  record.grad_norm = number_of(line.at("grad_norm"));
+  record.skipped = line.value("skipped", false);
   record.tokens_per_s = line.at("tokens_per_s").get<double>();
   record.elapsed_s = line.at("elapsed_s").get<double>();
-  if (line.contains("balance_loss")) record.balance_loss = line["balance_loss"].get<double>();
+  if (line.contains("balance_loss")) record.balance_loss = number_of(line["balance_loss"]);
   if (line.contains("validation_loss")) {
     record.validation_loss = line["validation_loss"].get<double>();
   }

@@ -13,6 +13,8 @@ struct MetricsRecord {
   int64_t step = 0;
   double loss = 0;       // training loss of the step, mean over the ranks
   double grad_norm = 0;  // before clipping
+  // The loss or the norm was not finite, so the step made no update (written as null).
+  bool skipped = false;
   // The MoE layers' load-balancing loss of the step (coefficient applied, summed over the
   // layers, mean over the ranks): logged by runs with one (--experts, --balance-loss > 0).
   std::optional<double> balance_loss;

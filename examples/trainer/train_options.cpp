@@ -91,6 +91,11 @@ void add_training_options(CLI::App& app, TrainOptions& o) {
       ->check(kFinite)
       ->check(CLI::NonNegativeNumber)
       ->group("Training");
+  app.add_option("--max-skipped-steps", o.max_skipped_steps,
+                 "a step with a non-finite loss or gradient norm is skipped (no update); "
+                 "this many in a row stop the run with an error")
+      ->check(CLI::Range(1, 1'000'000))
+      ->group("Training");
   app.add_option("--seed", o.seed, "initialization, data order and sampling")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->group("Training");
@@ -214,6 +219,10 @@ void add_output_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--out", o.out,
                  "write metrics.jsonl (one record per logged step) and loss.svg here")
       ->group("Output");
+  app.add_flag("--require-learning", o.require_learning,
+               "exit 1 unless the final validation loss is below the unigram baseline "
+               "(printed either way)")
+      ->group("Output");
   app.add_option("--trace", o.trace,
                  "record the third step of every rank as DIR/trace_rank<R>.json (Chrome trace) "
                  "and DIR/timeline_rank<R>.svg")
@@ -239,6 +248,10 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
                  "auto: continue from the newest complete checkpoint under --save (a fresh start "
                  "when there is none); PATH: from that sharded checkpoint (on any --mesh, with or "
                  "without --pp) or --export directory (on any --mesh, without --pp)")
+      ->group("Checkpoints");
+  app.add_flag("--resume-crc", o.resume_crc,
+               "with --resume auto: read the whole candidate checkpoint and check every "
+               "piece's CRC-32 before choosing it (without: its files' headers and sizes)")
       ->group("Checkpoints");
   app.add_option("--grace-period", o.grace_period,
                  "on SIGTERM or SIGINT (a preemption) the ranks finish their step, save a "
@@ -366,6 +379,9 @@ std::string contradiction(const TrainOptions& o, const CLI::App& app) {
   }
   if (o.resume == "auto" && o.save.empty()) {
     return "--resume auto needs --save DIR (the checkpoints it looks for)";
+  }
+  if (o.resume_crc && o.resume != "auto") {
+    return "--resume-crc checks the checkpoints --resume auto chooses from: give --resume auto";
   }
   if (o.save_every > 0 && o.save.empty()) {
     return "--save-every needs --save DIR";

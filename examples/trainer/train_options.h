@@ -24,6 +24,9 @@ struct TrainOptions {
   double lr = 6e-3;
   int64_t warmup = 20;     // steps of linear warmup before the cosine decay to lr/10
   double clip_grad = 1.0;  // 0: off
+  // A step whose loss or gradient norm is not finite is skipped on every rank; this many
+  // in a row stop the run with an error.
+  int64_t max_skipped_steps = 3;
   int64_t seed = 0;
   // Parallelism
   std::string mesh = "2x2";    // RxS: data-parallel replicas x shards
@@ -57,11 +60,15 @@ struct TrainOptions {
   std::string prompt = "fully_shard(";
   int64_t sample_bytes = 160;
   std::string out;  // metrics.jsonl and loss.svg; empty: none
+  // Exit 1 unless the final validation loss is below the unigram baseline (the demo's and
+  // tests' acceptance check); printed either way.
+  bool require_learning = false;
   // Checkpoints and recovery
   std::string save;
   int64_t save_every = 0;
   bool async_save = false;  // --save-every checkpoints written in the background
   std::string resume;
+  bool resume_crc = false;  // --resume auto checks every piece's CRC-32 of its candidates
   std::string export_dir;
   // Seconds from SIGTERM / SIGINT to an exit that no longer waits for the last-words
   // checkpoint; below hp-run's --grace-period (30 s), after which the launcher SIGKILLs.

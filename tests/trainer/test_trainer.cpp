@@ -115,7 +115,7 @@ void expect_same_checkpoint(const std::string& expected, const std::string& actu
 TEST(Trainer, LearnsBelowTheUnigramBaselineAndWritesMetricsAndCurve) {
   TempDir dir;
   const std::string out = (dir.path / "out").string();
-  const ProgramRun run = train("", "--steps 120 --out " + out);
+  const ProgramRun run = train("", "--steps 120 --require-learning --out " + out);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const std::smatch verdict = [&] {
     std::smatch match;
@@ -559,6 +559,43 @@ TEST(Trainer, TensorContextAndExpertParallelTrainLikeDataParallel) {
       << wrong_world.output;
 }
 
+// With a learning rate of 1e30 the first update sends the weights to about 1e30, and the
+// next steps' gradient norms are NaN: each such step makes no update on any rank (logged
+// as skipped, with a null norm), no checkpoint holds an inf or NaN weight, and the second
+// in a row stops the run with an error naming --max-skipped-steps.
+TEST(Trainer, NonFiniteStepsAreSkippedEverywhereAndStopTheRunAfterTheLimit) {
+  TempDir dir;
+  const std::string out = (dir.path / "out").string();
+  const std::string save = (dir.path / "save").string();
+  const ProgramRun run = run_program(
+      std::string(HP_RUN_PATH) + " -n 2 --timeout 120 -- " + TRAIN_DECODER_PATH + corpus_flags() +
+      "--mesh 1x2 --batch 16 --lr 1e30 --warmup 0 --eval-batches 4 --steps 8 --log-every 1 "
+      "--max-skipped-steps 2 --save-every 1 --save " +
+      save + " --out " + out);
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(contains(run.output, "step 2 skipped (no update): loss ")) << run.output;
+  EXPECT_TRUE(contains(run.output, "--max-skipped-steps 2: steps 2 to 3 all had a non-finite"))
+      << run.output;
+  std::ifstream metrics(out + "/metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 2u) << run.output;
+  EXPECT_FALSE(lines[0].value("skipped", false));
+  EXPECT_TRUE(lines[1].value("skipped", false));
+  EXPECT_TRUE(lines[1].at("grad_norm").is_null());
+  int checkpoints = 0;
+  for (const auto& entry : fs::directory_iterator(save)) {
+    if (!is_complete_checkpoint(entry.path())) continue;
+    ++checkpoints;
+    const std::string whole = (dir.path / "whole.pt").string();
+    convert_to_full_checkpoint(entry.path(), whole);
+    for (const auto& item : read_state_dict_file(whole)) {
+      EXPECT_TRUE(item.value().isfinite().all().item<bool>()) << entry.path() << " " << item.key();
+    }
+  }
+  EXPECT_EQ(checkpoints, 2) << run.output;  // steps 1 and 2 (whose update was skipped)
+}
+
 TEST(Trainer, TimeoutFlagNamesARankThatNeverStarts) {
   // Rank 0 of 2 alone; --timeout wins over the environment's 600 s.
   const auto start = std::chrono::steady_clock::now();
@@ -596,7 +633,7 @@ TEST(Trainer, TorchrunLaunchesAndRestartsTheTrainer) {
       std::to_string(find_free_port()) + " --no-python " + TRAIN_DECODER_PATH + corpus_flags() +
       "--mesh 1x2 --batch 16 --lr 1e-2 --warmup 10 --eval-batches 4 "
       "--sample-bytes 40 --timeout 60 --steps 60 --save-every 20 --resume auto --fail-at-step 45 "
-      "--save " +
+      "--require-learning --save " +
       save);
   // 60 steps may or may not get below the unigram baseline; torchrun passes the verdict on.
   const bool learned = contains(run.output, "OK: validation loss");
