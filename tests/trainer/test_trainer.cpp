@@ -443,6 +443,24 @@ TEST(Trainer, PreemptedRunSavesLastWordsAndResumesBitwiseEqual) {
   expect_same_checkpoint(straight, preempted, steps, 4);
 }
 
+// A file-size limit (`ulimit -f`, which some batch systems set) fails the save with an error
+// naming the file and the limit, instead of SIGXFSZ killing the saving ranks without a word
+// (exit 153); no checkpoint is left that could be loaded.
+TEST(Trainer, AFileSizeLimitFailsTheSaveNamingTheFileAndTheLimit) {
+  TempDir dir;
+  const std::string save = (dir.path / "ckpt").string();
+  // dash counts 512-byte blocks: 128 KiB, less than a rank's shard of the model and AdamW.
+  const ProgramRun run =
+      run_program("ulimit -f 256 && " + train_command(2, "1x2", "", "--steps 2 --save " + save));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(std::regex_search(
+      run.output, std::regex("rank-0000[01]\\.safetensors: File too large \\(this process's "
+                             "file-size limit, RLIMIT_FSIZE or `ulimit -f`, is 131072 bytes")))
+      << run.output;
+  EXPECT_FALSE(hp::latest_checkpoint(save).has_value()) << run.output;
+  EXPECT_FALSE(fs::exists(checkpoint_dir_for_step(save, 2))) << run.output;
+}
+
 TEST(Trainer, ConfigFileFlagsAndBadInput) {
   TempDir dir;
   fs::create_directories(dir.path);
