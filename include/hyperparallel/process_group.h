@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "hyperparallel/comm_handle.h"
@@ -63,6 +64,12 @@ class Group {
   // group and the members that did not reach it; on Gloo also past timeout() from now,
   // also when it waited in the backend's queue behind another collective.
   CommFailure on_failure(std::string operation, const c10d::Backend& backend) const;
+  // How a send to (or, `sending` false, a receive from) group rank `peer` with `tag` fails:
+  // an error naming `what` (e.g. a pipeline's stage and microbatch; empty: the transfer
+  // alone), the direction, the peer's world rank, and whether the peer saw it fail too. The
+  // backend's own timeout bounds it.
+  CommFailure on_transfer_failure(const std::string& what, bool sending, int64_t peer,
+                                  int tag) const;
 
  private:
   friend class World;
@@ -83,6 +90,9 @@ class Group {
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;
   mutable int64_t collectives_issued_ = 0;
+  // Transfers so far per (source, destination, tag), in world ranks: both ends count the
+  // same, as the backend matches sends to receives in order.
+  mutable std::map<std::tuple<int64_t, int64_t, int>, int64_t> transfers_;
   bool shut_down_ = false;
 };
 

@@ -81,6 +81,25 @@ CommFailure Group::on_failure(std::string operation, const c10d::Backend& backen
   return failure;
 }
 
+CommFailure Group::on_transfer_failure(const std::string& what, bool sending, int64_t peer,
+                                       int tag) const {
+  const int64_t me = ranks_[rank_], them = ranks_[peer];
+  const int64_t source = sending ? me : them, destination = sending ? them : me;
+  const int64_t number = ++transfers_[{source, destination, tag}];
+  const std::string transfer = std::string(sending ? "send to" : "recv from") + " world rank " +
+                               std::to_string(them) + " over group '" + name_ + "'";
+  CommFailure failure;
+  failure.explain = [store = store_, name = name_,
+                     pair = std::vector<int64_t>{std::min(me, them), std::max(me, them)}, me,
+                     what = what.empty() ? transfer : what + " (" + transfer + ")",
+                     id = "transfer " + std::to_string(source) + "->" +
+                          std::to_string(destination) + " tag " + std::to_string(tag) + " #" +
+                          std::to_string(number)](const std::string& error) {
+    return detail::explain_failed_collective(store, "hp/" + name, pair, me, what, error, id);
+  };
+  return failure;
+}
+
 void Group::shut_down() {
   if (shut_down_) return;
   shut_down_ = true;

@@ -142,19 +142,24 @@ void check_group_sizes(const std::vector<std::vector<uint8_t>>& records,
   }
 }
 
-// The first failed collective this process reported on the group `key_prefix` of `store`,
-// recording `what` when it is the first. The entry holds the store, so that no other
-// group's store can take its address.
-std::string first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
-                             const std::string& key_prefix, const std::string& what) {
+// The first failed collective this process reported on the group `key_prefix` of `store`
+// (its id and description), recording `id` and `what` when it is the first. The entry holds
+// the store, so that no other group's store can take its address.
+std::pair<std::string, std::string> first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& key_prefix,
+                                                     const std::string& id,
+                                                     const std::string& what) {
   using Key = std::pair<const c10d::Store*, std::string>;
+  struct First {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::pair<std::string, std::string> failure;
+  };
   static auto* const mutex = new std::mutex;
-  static auto* const firsts =
-      new std::map<Key, std::pair<c10::intrusive_ptr<c10d::Store>, std::string>>;
+  static auto* const firsts = new std::map<Key, First>;
   std::lock_guard lock(*mutex);
   const auto entry =
-      firsts->try_emplace(Key{store.get(), key_prefix}, std::make_pair(store, what)).first;
-  return entry->second.second;
+      firsts->try_emplace(Key{store.get(), key_prefix}, First{store, {id, what}}).first;
+  return entry->second.failure;
 }
 
 // Runs `work` on a thread of its own and returns its result, or throws
@@ -533,7 +538,9 @@ void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::st
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
                                       const std::string& key_prefix,
                                       const std::vector<int64_t>& ranks, int64_t rank,
-                                      const std::string& what, const std::string& error) {
+                                      const std::string& what, const std::string& error,
+                                      const std::string& id_or_empty) {
+  const std::string& id = id_or_empty.empty() ? what : id_or_empty;
   const std::string failed = what + " failed (" + error + ")";
   const std::string advice =
       ". The wait for other ranks is HP_TIMEOUT_S (or WorldOptions::timeout, the trainer's "
@@ -541,11 +548,11 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
   if (!store) return failed + advice;
   // One fault, one report: after a group's first failed collective its others (a prefetch
   // given up on while the error is handled) fail with it, without a report window each.
-  if (const std::string first = first_failure_of(store, key_prefix, what); first != what) {
-    return failed + "; after " + first + " failed (reported there)" + advice;
+  if (const auto first = first_failure_of(store, key_prefix, id, what); first.first != id) {
+    return failed + "; after " + first.second + " failed (reported there)" + advice;
   }
-  // Every member's failure of this collective, keyed by the collective's description.
-  const std::string report_prefix = key_prefix + "/failed/" + what + "/";
+  // Every member's failure of this collective, keyed by the collective's id.
+  const std::string report_prefix = key_prefix + "/failed/" + id + "/";
   std::vector<std::string> keys;
   for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
   // The store calls are bounded too: a stopped store host, or a network cut between this
