@@ -63,13 +63,17 @@ Group::Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group
       store_(std::move(store)),
       timeout_(timeout) {}
 
-Group::~Group() = default;
+Group::~Group() {
+  if (!failed_->load()) return;
+  for (auto* backend : {&cpu_backend_, &cuda_backend_}) (void)backend->release();
+}
 
 CommFailure Group::on_failure(std::string operation, const c10d::Backend& backend) const {
   const int64_t number = ++collectives_issued_;
   CommFailure failure;
   failure.explain = [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
-                     operation = std::move(operation)](const std::string& error) {
+                     operation = std::move(operation), failed = failed_](const std::string& error) {
+    failed->store(true);
     return detail::explain_failed_collective(
         store, "hp/" + name, ranks, rank,
         operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
@@ -94,7 +98,9 @@ CommFailure Group::on_transfer_failure(const std::string& what, bool sending, in
                      what = what.empty() ? transfer : what + " (" + transfer + ")",
                      id = "transfer " + std::to_string(source) + "->" +
                           std::to_string(destination) + " tag " + std::to_string(tag) + " #" +
-                          std::to_string(number)](const std::string& error) {
+                          std::to_string(number),
+                     failed = failed_](const std::string& error) {
+    failed->store(true);
     return detail::explain_failed_collective(store, "hp/" + name, pair, me, what, error, id);
   };
   return failure;
@@ -310,9 +316,10 @@ GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, i
         });
   }
   // Not make_shared: the constructor is World's alone.
-  return groups_[name] =
-             GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
-                                std::move(made->cpu), std::move(made->cuda), store_, timeout_));
+  GroupPtr group(new Group(name, std::move(ranks), rank_in_group, device_, std::move(made->cpu),
+                           std::move(made->cuda), store_, timeout_));
+  group->failed_ = collective_failed_;
+  return groups_[name] = group;
 }
 
 std::shared_ptr<World> default_world() {

@@ -162,6 +162,54 @@ std::pair<std::string, std::string> first_failure_of(const c10::intrusive_ptr<c1
   return entry->second.failure;
 }
 
+// Where a failed collective's report ends, for every rank of the world: "failing" (the
+// collective, set when the report starts) and "absent" (the members that did not report
+// it, set when its window ends). A member that did not report a collective but is failing
+// in another one is alive: blocked behind the ranks it found absent there.
+std::string failing_key(int64_t rank) { return "hp/faults/failing/" + std::to_string(rank); }
+std::string absent_key(int64_t rank) { return "hp/faults/absent/" + std::to_string(rank); }
+
+struct Blame {
+  std::vector<int64_t> absent;  // the ranks to name: stopped, crashed, or hung
+  // The members that did not reach the collective because they failed in another one:
+  // that collective and the ranks it found absent ("ranks 2, 5"; empty: none).
+  std::map<int64_t, std::pair<std::string, std::string>> blocked;
+};
+
+// Follows `absent` (the members of this rank's failed collective that did not report it)
+// to the ranks that hold them up: a member failing in another collective is replaced by the
+// members absent from that one, as far as their reports reach by `until`.
+Blame follow_blame(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                   std::vector<int64_t> absent, Clock::time_point until) {
+  Blame blame;
+  std::vector<int64_t> visited{rank};
+  while (!absent.empty()) {
+    const int64_t r = absent.front();
+    absent.erase(absent.begin());
+    if (std::count(visited.begin(), visited.end(), r) > 0) continue;
+    visited.push_back(r);
+    if (!store->check({failing_key(r)})) {
+      blame.absent.push_back(r);
+      continue;
+    }
+    // Failing too: its window ends within kReportWindow of its start.
+    while (!store->check({absent_key(r)}) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    if (!store->check({absent_key(r)})) {
+      blame.absent.push_back(r);
+      continue;
+    }
+    const std::vector<uint8_t> where = store->get(failing_key(r));
+    const std::vector<int64_t> theirs = decode_ranks(store->get(absent_key(r)));
+    blame.blocked[r] = {std::string(where.begin(), where.end()),
+                        theirs.empty() ? "" : ranks_text(theirs)};
+    absent.insert(absent.end(), theirs.begin(), theirs.end());
+  }
+  std::sort(blame.absent.begin(), blame.absent.end());
+  return blame;
+}
+
 // Runs `work` on a thread of its own and returns its result, or throws
 // DeadlinePassed(late()) when `at` passes first. For calls that have no deadline of
 // their own: name resolution, and a TCPStore client facing a listener that accepts but
@@ -557,12 +605,14 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
   for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
   // The store calls are bounded too: a stopped store host, or a network cut between this
   // machine and it, leaves a store request without an answer for as long as TCP retries.
-  std::vector<int64_t> absent;
+  // The second window: following absent members that failed elsewhere (follow_blame).
+  Blame blame;
   bool late = false;
   try {
-    absent = finish_by<std::vector<int64_t>>(
-        Clock::now() + kReportWindow + kReportGrace,
+    blame = finish_by<Blame>(
+        Clock::now() + 2 * kReportWindow + kReportGrace,
         [=] {
+          store->set(failing_key(rank), std::vector<uint8_t>(what.begin(), what.end()));
           store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
           const Clock::time_point until = Clock::now() + kReportWindow;
           while (!store->check(keys) && Clock::now() < until) {
@@ -572,22 +622,32 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
           for (size_t i = 0; i < keys.size(); ++i) {
             if (!store->check({keys[i]})) missing.push_back(ranks[i]);
           }
-          return missing;
+          store->set(absent_key(rank), encode_ranks(missing));
+          return follow_blame(store, rank, missing, Clock::now() + kReportWindow);
         },
         [&] {
           late = true;
-          return "the store did not answer within " + seconds_text(kReportWindow + kReportGrace) +
-                 ": " + kStoreHost + " is stopped, or this machine is cut off from it";
+          return "the store did not answer within " +
+                 seconds_text(2 * kReportWindow + kReportGrace) + ": " + kStoreHost +
+                 " is stopped, or this machine is cut off from it";
         });
   } catch (const std::exception& store_error) {
     if (late) return failed + "; " + message_of(store_error) + advice;
     return failed + "; the store is unreachable too (" + message_of(store_error) +
            "): " + kStoreHost + " has exited, or this machine is cut off from it" + advice;
   }
-  if (absent.empty()) return failed + "; every rank of the group saw it fail" + advice;
-  return failed + "; world " + ranks_text(absent) + " did not report the same failure within " +
-         seconds_text(kReportWindow) +
-         ": stopped, crashed, or blocked elsewhere (hung, or still computing)" + advice;
+  std::string elsewhere;
+  for (const auto& [blocked, where] : blame.blocked) {
+    elsewhere += "; world rank " + std::to_string(blocked) + " did not reach it: it failed in " +
+                 where.first + (where.second.empty() ? "" : ", waiting for world " + where.second);
+  }
+  if (blame.absent.empty()) {
+    return failed + (blame.blocked.empty() ? "; every rank of the group saw it fail" : elsewhere) +
+           advice;
+  }
+  return failed + "; world " + ranks_text(blame.absent) +
+         " did not report the same failure within " + seconds_text(kReportWindow) +
+         ": stopped, crashed, or blocked elsewhere (hung, or still computing)" + elsewhere + advice;
 }
 
 }  // namespace hp::detail
