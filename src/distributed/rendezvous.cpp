@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -128,18 +129,23 @@ size_t group_size_of(const std::vector<uint8_t>& record) {
   return std::stoull(std::string(record.begin(), record.end()));
 }
 
-// Throws LaunchMismatch when a rank of `ranks` whose arrival is in `records` (by position;
-// empty: not arrived) expects a group of another size than this rank does.
-void check_group_sizes(const std::vector<std::vector<uint8_t>>& records,
-                       const std::vector<int64_t>& ranks, int64_t rank,
-                       const std::string& operation) {
+// The first rank of `ranks` whose arrival is in `records` (by position; empty: not
+// arrived) expects a group of another size than this rank does: that rank and its size.
+std::optional<std::pair<int64_t, size_t>> other_group_size(
+    const std::vector<std::vector<uint8_t>>& records, const std::vector<int64_t>& ranks) {
   for (size_t i = 0; i < records.size(); ++i) {
-    if (records[i].empty() || group_size_of(records[i]) == ranks.size()) continue;
-    throw LaunchMismatch(operation + ": rank " + std::to_string(ranks[i]) + " expects a group of " +
-                         std::to_string(group_size_of(records[i])) + " ranks, this rank (" +
-                         std::to_string(rank) + ") one of " + std::to_string(ranks.size()) +
-                         ": start every rank with the same WORLD_SIZE");
+    if (!records[i].empty() && group_size_of(records[i]) != ranks.size()) {
+      return std::make_pair(ranks[i], group_size_of(records[i]));
+    }
   }
+  return std::nullopt;
+}
+
+std::string group_size_mismatch(const std::string& operation, int64_t other, size_t other_size,
+                                int64_t rank, size_t size) {
+  return operation + ": rank " + std::to_string(other) + " expects a group of " +
+         std::to_string(other_size) + " ranks, this rank (" + std::to_string(rank) + ") one of " +
+         std::to_string(size) + ": start every rank with the same WORLD_SIZE";
 }
 
 // The first failed collective this process reported on the group `key_prefix` of `store`
@@ -425,6 +431,12 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   const std::string taken_prefix = key_prefix + "/verdict_taken/";
   // Marks ranks that two processes arrived as, for the others' message.
   const std::string duplicate_prefix = key_prefix + "/duplicate/";
+  // A rank that finds another expecting a group of another size (WORLD_SIZE) says so here
+  // ("R N S M": rank R expects N ranks, rank S M) for the ranks whose join cannot complete
+  // (they wait for ranks that do not exist), and waits for them to take it: it may host
+  // the store.
+  const std::string mismatch_key = key_prefix + "/size_mismatch";
+  const std::string mismatch_taken_prefix = key_prefix + "/size_mismatch_taken/";
   const bool decider = rank == *std::min_element(ranks.begin(), ranks.end());
   const Clock::time_point until = deadline.at;
   // The ranks still missing when the deadline passed; empty: all arrived. Polled (every
@@ -450,14 +462,45 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
             }
             return records;
           };
+          // Tells every rank of a group size mismatch found here, then throws it.
+          const auto mismatch = [&](int64_t other, size_t other_size) {
+            const std::string text = std::to_string(rank) + " " + std::to_string(ranks.size()) +
+                                     " " + std::to_string(other) + " " + std::to_string(other_size);
+            store->compareSet(mismatch_key, {}, std::vector<uint8_t>(text.begin(), text.end()));
+            const std::vector<std::string> taker{mismatch_taken_prefix + std::to_string(other)};
+            const Clock::time_point linger_end = Clock::now() + kLinger;
+            while (!store->check(taker) && Clock::now() < linger_end) {
+              std::this_thread::sleep_for(milliseconds(20));
+            }
+            throw LaunchMismatch(
+                group_size_mismatch(operation, other, other_size, rank, ranks.size()));
+          };
           std::optional<std::vector<int64_t>> verdict;
           for (milliseconds pause(10);; pause = std::min(2 * pause, milliseconds(200))) {
+            if (store->check({mismatch_key})) {  // found by another rank
+              const std::vector<uint8_t> bytes = store->get(mismatch_key);
+              std::istringstream text(std::string(bytes.begin(), bytes.end()));
+              int64_t finder = 0, other = 0;
+              size_t finder_size = 0, other_size = 0;
+              text >> finder >> finder_size >> other >> other_size;
+              store->set(mismatch_taken_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+              if (other_size == ranks.size()) {  // this rank is the odd one: name the finder
+                other = finder;
+                other_size = finder_size;
+              }
+              if (other_size != ranks.size()) {
+                throw LaunchMismatch(
+                    group_size_mismatch(operation, other, other_size, rank, ranks.size()));
+              }
+            }
             if (!decider && store->check({verdict_key})) {
               verdict = decode_ranks(store->get(verdict_key));
               // Arrived after the decider gave up: nobody keeps the store up for it.
               if (std::count(verdict->begin(), verdict->end(), rank) > 0) return *verdict;
             } else if (store->check(keys)) {
-              check_group_sizes(store->multiGet(keys), ranks, rank, operation);
+              if (const auto other = other_group_size(store->multiGet(keys), ranks)) {
+                mismatch(other->first, other->second);
+              }
               return {};
             }
             if (Clock::now() >= until) break;
@@ -471,7 +514,9 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
             absent = decode_ranks(store->get(verdict_key));
           } else {
             const std::vector<std::vector<uint8_t>> records = arrived_records();
-            check_group_sizes(records, ranks, rank, operation);
+            if (const auto other = other_group_size(records, ranks)) {
+              mismatch(other->first, other->second);
+            }
             for (size_t i = 0; i < keys.size(); ++i) {
               if (records[i].empty()) absent.push_back(ranks[i]);
             }
