@@ -523,6 +523,31 @@ TEST(Trainer, MalformedConfigsUnknownKeysAndNonFiniteNumbersAreUsageErrors) {
   EXPECT_TRUE(contains(hp_run.output, "must be a finite number")) << hp_run.output;
 }
 
+// Numbers out of an option's range are usage errors (exit 2) that name the rule, not a
+// CLI11 range up to the largest double (all 309 digits); so are a negative fusion bucket
+// and a --fail-rank beyond the ranks (exit 1 before).
+TEST(Trainer, OutOfRangeNumbersAreShortUsageErrors) {
+  const auto parse = [&](const std::string& flags) {
+    return run_program(std::string(TRAIN_DECODER_PATH) + corpus_flags() + flags);
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--lr 0", "--lr: must be positive, got '0'"},
+      {"--tp -2", "--tp: must be positive, got '-2'"},
+      {"--clip-grad -1", "--clip-grad: must not be negative, got '-1'"},
+      {"--fail-at-step 0", "--fail-at-step: must be positive, got '0'"},
+      {"--comm-fusion-bucket -1", "--comm-fusion-bucket: must not be negative"}};
+  for (const auto& [flags, message] : cases) {
+    const ProgramRun run = parse(flags);
+    EXPECT_EQ(run.exit_code, 2) << flags << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, message)) << flags << "\n" << run.output;
+    EXPECT_FALSE(contains(run.output, "179769313486231")) << flags << "\n" << run.output;
+  }
+  const ProgramRun fail_rank = train("", "--steps 2 --fail-at-step 1 --fail-rank 9");
+  EXPECT_EQ(fail_rank.exit_code, 2) << fail_rank.output;
+  EXPECT_TRUE(contains(fail_rank.output, "--fail-rank 9: there are only 2 ranks"))
+      << fail_rank.output;
+}
+
 // The values of `field` ("loss", "grad_norm"; full precision) of every logged step in
 // `dir`/metrics.jsonl.
 std::vector<double> logged(const std::string& dir, const std::string& field) {
