@@ -650,12 +650,11 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
   for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
   // The store calls are bounded too: a stopped store host, or a network cut between this
   // machine and it, leaves a store request without an answer for as long as TCP retries.
-  // The second window: following absent members that failed elsewhere (follow_blame).
-  Blame blame;
+  std::vector<int64_t> absent;
   bool late = false;
   try {
-    blame = finish_by<Blame>(
-        Clock::now() + 2 * kReportWindow + kReportGrace,
+    absent = finish_by<std::vector<int64_t>>(
+        Clock::now() + kReportWindow + kReportGrace,
         [=] {
           store->set(failing_key(rank), std::vector<uint8_t>(what.begin(), what.end()));
           store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
@@ -668,18 +667,29 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
             if (!store->check({keys[i]})) missing.push_back(ranks[i]);
           }
           store->set(absent_key(rank), encode_ranks(missing));
-          return follow_blame(store, rank, missing, Clock::now() + kReportWindow);
+          return missing;
         },
         [&] {
           late = true;
-          return "the store did not answer within " +
-                 seconds_text(2 * kReportWindow + kReportGrace) + ": " + kStoreHost +
-                 " is stopped, or this machine is cut off from it";
+          return "the store did not answer within " + seconds_text(kReportWindow + kReportGrace) +
+                 ": " + kStoreHost + " is stopped, or this machine is cut off from it";
         });
   } catch (const std::exception& store_error) {
     if (late) return failed + "; " + message_of(store_error) + advice;
     return failed + "; the store is unreachable too (" + message_of(store_error) +
            "): " + kStoreHost + " has exited, or this machine is cut off from it" + advice;
+  }
+  // Absent members that failed elsewhere are followed to the ranks they waited for, as far
+  // as their reports come within another window; else they are named themselves.
+  Blame blame{absent, {}};
+  if (!absent.empty()) {
+    try {
+      blame = finish_by<Blame>(
+          Clock::now() + kReportWindow + kReportGrace,
+          [=] { return follow_blame(store, rank, absent, Clock::now() + kReportWindow); },
+          [] { return std::string("the store did not answer"); });
+    } catch (const std::exception&) {  // the absent members are the news; this is a detail
+    }
   }
   std::string elsewhere;
   for (const auto& [blocked, where] : blame.blocked) {
