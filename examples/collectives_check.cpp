@@ -3,6 +3,7 @@
 //   hp-run -n 4 -- build/examples/collectives_check
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <chrono>
@@ -47,8 +48,7 @@ Row measure(const char* op, int64_t numel, const hp::Group& world, const std::fu
 
 }  // namespace
 
-int main() {
-  at::set_num_threads(1);
+int check() {
   std::shared_ptr<hp::World> world = hp::World::from_env();
   const hp::Group& g = *world->world_group();
   const int64_t w = g.size(), me = g.rank();
@@ -110,4 +110,14 @@ int main() {
     std::printf("\n%s\n", all_ok ? "all collectives correct" : "SOME COLLECTIVES WRONG");
   }
   return all_ok ? 0 : 1;
+}
+
+int main() {
+  at::set_num_threads(1);
+  try {
+    return check();
+  } catch (const c10::Error& error) {  // one line, not LibTorch's C++ backtrace
+    std::fprintf(stderr, "collectives_check: error: %s\n", error.what_without_backtrace());
+    return 1;
+  }
 }

@@ -584,8 +584,8 @@ InjectedFault fault_of_this_attempt(const TrainOptions& o, int64_t ranks) {
   fault.rank =
       o.fail_ranks.empty() || attempt >= o.fail_ranks.size() ? ranks - 1 : o.fail_ranks[attempt];
   if (fault.before_step > 0 && fault.rank >= ranks) {
-    throw std::invalid_argument("--fail-rank " + std::to_string(fault.rank) + ": there are only " +
-                                std::to_string(ranks) + " ranks");
+    throw UsageError("--fail-rank " + std::to_string(fault.rank) + ": there are only " +
+                     std::to_string(ranks) + " ranks");
   }
   return fault;
 }

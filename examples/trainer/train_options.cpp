@@ -46,6 +46,24 @@ const CLI::Validator kFinite(
     },
     "FINITE");
 
+// In place of CLI11's PositiveNumber and NonNegativeNumber: ranges up to the largest double,
+// whose messages print all 309 digits of it.
+double number_of(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  return end == text.c_str() ? std::nan("") : value;
+}
+const CLI::Validator kPositive(
+    [](std::string& text) -> std::string {
+      return number_of(text) > 0 ? "" : "must be positive, got '" + text + "'";
+    },
+    "POSITIVE");
+const CLI::Validator kNonNegative(
+    [](std::string& text) -> std::string {
+      return number_of(text) >= 0 ? "" : "must not be negative, got '" + text + "'";
+    },
+    "NONNEGATIVE");
+
 // The text and its split.
 void add_data_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--data", o.data, "text files and directories (searched recursively)")
@@ -82,14 +100,14 @@ void add_training_options(CLI::App& app, TrainOptions& o) {
       ->group("Training");
   app.add_option("--lr", o.lr, "AdamW peak learning rate")
       ->check(kFinite)
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Training");
   app.add_option("--warmup", o.warmup, "linear warmup steps, then cosine decay to lr/10")
       ->check(CLI::Range(0, 10'000'000))
       ->group("Training");
   app.add_option("--clip-grad", o.clip_grad, "clip gradients to this global norm; 0: off")
       ->check(kFinite)
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Training");
   app.add_option("--max-skipped-steps", o.max_skipped_steps,
                  "a step with a non-finite loss or gradient norm is skipped (no update); "
@@ -109,21 +127,21 @@ void add_layout_options(CLI::App& app, TrainOptions& o) {
       ->check(check_mesh, "RxS")
       ->group("Parallelism");
   app.add_option("--tp", o.tp, "tensor-parallel ranks: heads, FFN and vocabulary split over them")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
   app.add_option("--cp", o.cp,
                  "context-parallel ranks: each sequence split over them (load-balanced "
                  "chunks; --seq divisible by 2 x cp)")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
   app.add_option("--ep", o.ep,
                  "expert-parallel ranks, taken from the S shards: the experts split over them")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
   app.add_option("--pp", o.pp,
                  "pipeline-parallel ranks (outermost: pp x R x S ranks): the decoder's layers "
                  "split into stages over them, each stage fully_shard-ed over its R x S ranks")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
   app.add_option("--pp-schedule", o.pp_schedule,
                  "pipeline schedule under --pp: gpipe, 1f1b, interleaved (--virtual-stages >= 2); "
@@ -133,12 +151,12 @@ void add_layout_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--microbatches", o.microbatches,
                  "microbatches per step under --pp; must divide the batch per data-parallel "
                  "rank (interleaved: a multiple of --pp)")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
   app.add_option("--virtual-stages", o.virtual_stages,
                  "model chunks per pipeline rank (interleaved: >= 2; else 1); --layers must "
                  "divide into pp x virtual-stages stages")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Parallelism");
 }
 
@@ -146,15 +164,15 @@ void add_layout_options(CLI::App& app, TrainOptions& o) {
 void add_moe_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--experts", o.experts,
                  "experts per MoE layer; > 0: every odd layer's FFN is a mixture of experts")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Model");
   app.add_option("--top-k", o.top_k, "experts per token in the MoE layers")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Model");
   app.add_option("--balance-loss", o.balance_loss,
                  "coefficient of the MoE layers' load-balancing loss (0: none)")
       ->check(kFinite)
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Model");
 }
 
@@ -172,6 +190,7 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
                  "parameters of at most this many bytes on the wire per peer, all issued at "
                  "once (e.g. 128KiB, which keeps a slow TCP link full; 0: one per module)")
       ->transform(CLI::AsSizeValue(/*kb_is_1000=*/false))
+      ->check(kNonNegative)
       ->group("Parallelism");
   app.add_option("--ag-codec", o.ag_codec,
                  "parameter all-gathers send int8 or fp8 blocks (one byte per value plus an "
@@ -204,10 +223,10 @@ void add_runtime_options(CLI::App& app, TrainOptions& o) {
 // Progress, validation, metrics, traces and the sample.
 void add_output_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--log-every", o.log_every, "steps between progress lines; 0: about 20 per run")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Output");
   app.add_option("--eval-every", o.eval_every, "steps between validations; 0: about 5 per run")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Output");
   app.add_option("--eval-batches", o.eval_batches, "validation batches per rank")
       ->check(CLI::Range(1, 1 << 20))
@@ -237,7 +256,7 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
       ->group("Checkpoints");
   app.add_option("--save-every", o.save_every,
                  "also save after every N-th step; 0: only at the end")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Checkpoints");
   app.add_flag("--async-save", o.async_save,
                "write the --save-every checkpoints in the background while training goes on "
@@ -268,11 +287,11 @@ void add_checkpoint_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--fail-at-step", o.fail_at_steps,
                  "fault injection for restart tests: a rank fails before step N; given k times, "
                  "the i-th applies to attempt i (TORCHELASTIC_RESTART_COUNT=i, unset: 0)")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->group("Checkpoints");
   app.add_option("--fail-rank", o.fail_ranks,
                  "the rank that fails at each --fail-at-step (default: the last rank)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->group("Checkpoints");
   app.add_flag("--fail-by-kill", o.fail_by_kill,
                "the failing rank dies by SIGKILL (no message, no cleanup) instead of throwing")

@@ -47,8 +47,12 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
                       std::vector<int64_t> input_splits = {});
 
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group);
-CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag = 0);
-CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag = 0);
+// Point to point, matched by (peer, tag) in order. `what` names the transfer in a failure's
+// error (e.g. a pipeline's stage and microbatch), next to the peer's world rank.
+CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag = 0,
+                const std::string& what = "");
+CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag = 0,
+                const std::string& what = "");
 CommHandle barrier(const Group& group);
 
 // Bytes this rank sent in the collectives above since the process started (or the last

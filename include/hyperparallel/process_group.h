@@ -8,6 +8,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "hyperparallel/comm_handle.h"
@@ -63,6 +65,12 @@ class Group {
   // group and the members that did not reach it; on Gloo also past timeout() from now,
   // also when it waited in the backend's queue behind another collective.
   CommFailure on_failure(std::string operation, const c10d::Backend& backend) const;
+  // How a send to (or, `sending` false, a receive from) group rank `peer` with `tag` fails:
+  // an error naming `what` (e.g. a pipeline's stage and microbatch; empty: the transfer
+  // alone), the direction, the peer's world rank, and whether the peer saw it fail too. The
+  // backend's own timeout bounds it.
+  CommFailure on_transfer_failure(const std::string& what, bool sending, int64_t peer,
+                                  int tag) const;
 
  private:
   friend class World;
@@ -83,6 +91,15 @@ class Group {
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;
   mutable int64_t collectives_issued_ = 0;
+  // Set once a collective or transfer of any group of the World failed (World sets it):
+  // the backends may still run operations that wait for a stopped peer, and destroying one
+  // would wait for each to time out (Gloo joins its threads), delaying the error past the
+  // timeout (a program prints it after the stack unwinds). They are left for the
+  // process's exit.
+  std::shared_ptr<std::atomic<bool>> failed_ = std::make_shared<std::atomic<bool>>(false);
+  // Transfers so far per (source, destination, tag), in world ranks: both ends count the
+  // same, as the backend matches sends to receives in order.
+  mutable std::map<std::tuple<int64_t, int64_t, int>, int64_t> transfers_;
   bool shut_down_ = false;
 };
 
@@ -182,6 +199,9 @@ class World {
   GroupPtr world_group_;
   std::map<std::string, GroupPtr> groups_;
   int64_t mesh_count_ = 0;
+  // Shared by its groups (Group::failed_).
+  std::shared_ptr<std::atomic<bool>> collective_failed_ =
+      std::make_shared<std::atomic<bool>>(false);
   c10::Device device_;
   bool gloo_on_gpu_;
   bool one_rank_groups_communicate_;

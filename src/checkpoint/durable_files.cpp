@@ -9,11 +9,13 @@
 #include <cstring>
 #include <filesystem>
 
+#include "file_size_limit.h"
+
 namespace hp::detail {
 namespace {
 
 [[noreturn]] void fail(const std::string& what, const std::string& path, int error) {
-  C10_THROW_ERROR(Error, "cannot " + what + " " + path + ": " + std::strerror(error));
+  C10_THROW_ERROR(Error, "cannot " + what + " " + path + ": " + write_error_text(error));
 }
 
 std::string parent_of(const std::string& path) {
@@ -24,6 +26,7 @@ std::string parent_of(const std::string& path) {
 }  // namespace
 
 void write_file_durably(const std::string& path, const std::string& text) {
+  let_oversized_writes_fail();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("create", path, errno);
   size_t done = 0;

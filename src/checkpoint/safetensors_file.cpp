@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "file_size_limit.h"
+
 namespace hp::detail {
 namespace {
 
@@ -63,7 +65,9 @@ bool read_all(int fd, void* data, size_t size, uint64_t offset) {
   return true;
 }
 
-std::string reason(int error) { return error != 0 ? std::strerror(error) : "the file ends early"; }
+std::string reason(int error) {
+  return error != 0 ? write_error_text(error) : "the file ends early";
+}
 
 }  // namespace
 
@@ -112,6 +116,7 @@ void write_safetensors(const std::string& path,
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
   const uint64_t header_size = text.size();
 
+  let_oversized_writes_fail();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) C10_THROW_ERROR(Error, "cannot create " + path + ": " + std::strerror(errno));
   auto fail = [&](const std::string& what) {

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "file_size_limit.h"
+
 namespace hp::detail {
 namespace {
 
@@ -31,6 +33,7 @@ at::Tensor metadata_only(c10::ScalarType dtype, c10::IntArrayRef shape) {
 
 TorchSaveWriter::TorchSaveWriter(const std::string& path)
     : path_(path), partial_path_(path + ".partial") {
+  let_oversized_writes_fail();
   file_ = std::fopen(partial_path_.c_str(), "wb");
   if (!file_) {
     C10_THROW_ERROR(Error, "cannot create checkpoint file " + path_ + " (writing " + partial_path_ +
@@ -67,7 +70,7 @@ TorchSaveWriter::~TorchSaveWriter() {
 
 std::string TorchSaveWriter::failure(const std::string& what, const std::string& reason) const {
   return "cannot write " + what + " to checkpoint file " + path_ + ": " +
-         (write_errno_ != 0 ? std::strerror(write_errno_) : reason);
+         (write_errno_ != 0 ? write_error_text(write_errno_) : reason);
 }
 
 void TorchSaveWriter::close_file() {

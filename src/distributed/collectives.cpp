@@ -310,21 +310,25 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
                                group.on_failure("broadcast", transport.backend()));
 }
 
-CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
+CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag,
+                const std::string& what) {
   check_point_to_point(tensor, dst, group, "send", "send to");
   count_sent(kSend, bytes_of(tensor));
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.input(tensor)};
   auto work = transport.backend().send(tensors, static_cast<int>(dst), tag);
-  return CommHandle::from_work(std::move(work), transport.completion({}));
+  return CommHandle::from_work(std::move(work), transport.completion({}),
+                               group.on_transfer_failure(what, /*sending=*/true, dst, tag));
 }
 
-CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag) {
+CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag,
+                const std::string& what) {
   check_point_to_point(tensor, src, group, "recv", "receive from");
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor)};
   auto work = transport.backend().recv(tensors, static_cast<int>(src), tag);
-  return CommHandle::from_work(std::move(work), transport.completion({}));
+  return CommHandle::from_work(std::move(work), transport.completion({}),
+                               group.on_transfer_failure(what, /*sending=*/false, src, tag));
 }
 
 CommHandle barrier(const Group& group) {

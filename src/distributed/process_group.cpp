@@ -63,13 +63,17 @@ Group::Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group
       store_(std::move(store)),
       timeout_(timeout) {}
 
-Group::~Group() = default;
+Group::~Group() {
+  if (!failed_->load()) return;
+  for (auto* backend : {&cpu_backend_, &cuda_backend_}) (void)backend->release();
+}
 
 CommFailure Group::on_failure(std::string operation, const c10d::Backend& backend) const {
   const int64_t number = ++collectives_issued_;
   CommFailure failure;
   failure.explain = [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
-                     operation = std::move(operation)](const std::string& error) {
+                     operation = std::move(operation), failed = failed_](const std::string& error) {
+    failed->store(true);
     return detail::explain_failed_collective(
         store, "hp/" + name, ranks, rank,
         operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
@@ -78,6 +82,27 @@ CommFailure Group::on_failure(std::string operation, const c10d::Backend& backen
   if (backend.getBackendName() == "gloo") {
     failure.deadline = std::chrono::steady_clock::now() + timeout_;
   }
+  return failure;
+}
+
+CommFailure Group::on_transfer_failure(const std::string& what, bool sending, int64_t peer,
+                                       int tag) const {
+  const int64_t me = ranks_[rank_], them = ranks_[peer];
+  const int64_t source = sending ? me : them, destination = sending ? them : me;
+  const int64_t number = ++transfers_[{source, destination, tag}];
+  const std::string transfer = std::string(sending ? "send to" : "recv from") + " world rank " +
+                               std::to_string(them) + " over group '" + name_ + "'";
+  CommFailure failure;
+  failure.explain = [store = store_, name = name_,
+                     pair = std::vector<int64_t>{std::min(me, them), std::max(me, them)}, me,
+                     what = what.empty() ? transfer : what + " (" + transfer + ")",
+                     id = "transfer " + std::to_string(source) + "->" +
+                          std::to_string(destination) + " tag " + std::to_string(tag) + " #" +
+                          std::to_string(number),
+                     failed = failed_](const std::string& error) {
+    failed->store(true);
+    return detail::explain_failed_collective(store, "hp/" + name, pair, me, what, error, id);
+  };
   return failure;
 }
 
@@ -291,9 +316,10 @@ GroupPtr World::add_group(const std::string& name, std::vector<int64_t> ranks, i
         });
   }
   // Not make_shared: the constructor is World's alone.
-  return groups_[name] =
-             GroupPtr(new Group(name, std::move(ranks), rank_in_group, device_,
-                                std::move(made->cpu), std::move(made->cuda), store_, timeout_));
+  GroupPtr group(new Group(name, std::move(ranks), rank_in_group, device_, std::move(made->cpu),
+                           std::move(made->cuda), store_, timeout_));
+  group->failed_ = collective_failed_;
+  return groups_[name] = group;
 }
 
 std::shared_ptr<World> default_world() {

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -128,33 +129,91 @@ size_t group_size_of(const std::vector<uint8_t>& record) {
   return std::stoull(std::string(record.begin(), record.end()));
 }
 
-// Throws LaunchMismatch when a rank of `ranks` whose arrival is in `records` (by position;
-// empty: not arrived) expects a group of another size than this rank does.
-void check_group_sizes(const std::vector<std::vector<uint8_t>>& records,
-                       const std::vector<int64_t>& ranks, int64_t rank,
-                       const std::string& operation) {
+// The first rank of `ranks` whose arrival is in `records` (by position; empty: not
+// arrived) expects a group of another size than this rank does: that rank and its size.
+std::optional<std::pair<int64_t, size_t>> other_group_size(
+    const std::vector<std::vector<uint8_t>>& records, const std::vector<int64_t>& ranks) {
   for (size_t i = 0; i < records.size(); ++i) {
-    if (records[i].empty() || group_size_of(records[i]) == ranks.size()) continue;
-    throw LaunchMismatch(operation + ": rank " + std::to_string(ranks[i]) + " expects a group of " +
-                         std::to_string(group_size_of(records[i])) + " ranks, this rank (" +
-                         std::to_string(rank) + ") one of " + std::to_string(ranks.size()) +
-                         ": start every rank with the same WORLD_SIZE");
+    if (!records[i].empty() && group_size_of(records[i]) != ranks.size()) {
+      return std::make_pair(ranks[i], group_size_of(records[i]));
+    }
   }
+  return std::nullopt;
 }
 
-// The first failed collective this process reported on the group `key_prefix` of `store`,
-// recording `what` when it is the first. The entry holds the store, so that no other
-// group's store can take its address.
-std::string first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
-                             const std::string& key_prefix, const std::string& what) {
+std::string group_size_mismatch(const std::string& operation, int64_t other, size_t other_size,
+                                int64_t rank, size_t size) {
+  return operation + ": rank " + std::to_string(other) + " expects a group of " +
+         std::to_string(other_size) + " ranks, this rank (" + std::to_string(rank) + ") one of " +
+         std::to_string(size) + ": start every rank with the same WORLD_SIZE";
+}
+
+// The first failed collective this process reported on the group `key_prefix` of `store`
+// (its id and description), recording `id` and `what` when it is the first. The entry holds
+// the store, so that no other group's store can take its address.
+std::pair<std::string, std::string> first_failure_of(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& key_prefix,
+                                                     const std::string& id,
+                                                     const std::string& what) {
   using Key = std::pair<const c10d::Store*, std::string>;
+  struct First {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::pair<std::string, std::string> failure;
+  };
   static auto* const mutex = new std::mutex;
-  static auto* const firsts =
-      new std::map<Key, std::pair<c10::intrusive_ptr<c10d::Store>, std::string>>;
+  static auto* const firsts = new std::map<Key, First>;
   std::lock_guard lock(*mutex);
   const auto entry =
-      firsts->try_emplace(Key{store.get(), key_prefix}, std::make_pair(store, what)).first;
-  return entry->second.second;
+      firsts->try_emplace(Key{store.get(), key_prefix}, First{store, {id, what}}).first;
+  return entry->second.failure;
+}
+
+// Where a failed collective's report ends, for every rank of the world: "failing" (the
+// collective, set when the report starts) and "absent" (the members that did not report
+// it, set when its window ends). A member that did not report a collective but is failing
+// in another one is alive: blocked behind the ranks it found absent there.
+std::string failing_key(int64_t rank) { return "hp/faults/failing/" + std::to_string(rank); }
+std::string absent_key(int64_t rank) { return "hp/faults/absent/" + std::to_string(rank); }
+
+struct Blame {
+  std::vector<int64_t> absent;  // the ranks to name: stopped, crashed, or hung
+  // The members that did not reach the collective because they failed in another one:
+  // that collective and the ranks it found absent ("ranks 2, 5"; empty: none).
+  std::map<int64_t, std::pair<std::string, std::string>> blocked;
+};
+
+// Follows `absent` (the members of this rank's failed collective that did not report it)
+// to the ranks that hold them up: a member failing in another collective is replaced by the
+// members absent from that one, as far as their reports reach by `until`.
+Blame follow_blame(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                   std::vector<int64_t> absent, Clock::time_point until) {
+  Blame blame;
+  std::vector<int64_t> visited{rank};
+  while (!absent.empty()) {
+    const int64_t r = absent.front();
+    absent.erase(absent.begin());
+    if (std::count(visited.begin(), visited.end(), r) > 0) continue;
+    visited.push_back(r);
+    if (!store->check({failing_key(r)})) {
+      blame.absent.push_back(r);
+      continue;
+    }
+    // Failing too: its window ends within kReportWindow of its start.
+    while (!store->check({absent_key(r)}) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    if (!store->check({absent_key(r)})) {
+      blame.absent.push_back(r);
+      continue;
+    }
+    const std::vector<uint8_t> where = store->get(failing_key(r));
+    const std::vector<int64_t> theirs = decode_ranks(store->get(absent_key(r)));
+    blame.blocked[r] = {std::string(where.begin(), where.end()),
+                        theirs.empty() ? "" : ranks_text(theirs)};
+    absent.insert(absent.end(), theirs.begin(), theirs.end());
+  }
+  std::sort(blame.absent.begin(), blame.absent.end());
+  return blame;
 }
 
 // Runs `work` on a thread of its own and returns its result, or throws
@@ -372,6 +431,12 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   const std::string taken_prefix = key_prefix + "/verdict_taken/";
   // Marks ranks that two processes arrived as, for the others' message.
   const std::string duplicate_prefix = key_prefix + "/duplicate/";
+  // A rank that finds another expecting a group of another size (WORLD_SIZE) says so here
+  // ("R N S M": rank R expects N ranks, rank S M) for the ranks whose join cannot complete
+  // (they wait for ranks that do not exist), and waits for them to take it: it may host
+  // the store.
+  const std::string mismatch_key = key_prefix + "/size_mismatch";
+  const std::string mismatch_taken_prefix = key_prefix + "/size_mismatch_taken/";
   const bool decider = rank == *std::min_element(ranks.begin(), ranks.end());
   const Clock::time_point until = deadline.at;
   // The ranks still missing when the deadline passed; empty: all arrived. Polled (every
@@ -397,14 +462,45 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
             }
             return records;
           };
+          // Tells every rank of a group size mismatch found here, then throws it.
+          const auto mismatch = [&](int64_t other, size_t other_size) {
+            const std::string text = std::to_string(rank) + " " + std::to_string(ranks.size()) +
+                                     " " + std::to_string(other) + " " + std::to_string(other_size);
+            store->compareSet(mismatch_key, {}, std::vector<uint8_t>(text.begin(), text.end()));
+            const std::vector<std::string> taker{mismatch_taken_prefix + std::to_string(other)};
+            const Clock::time_point linger_end = Clock::now() + kLinger;
+            while (!store->check(taker) && Clock::now() < linger_end) {
+              std::this_thread::sleep_for(milliseconds(20));
+            }
+            throw LaunchMismatch(
+                group_size_mismatch(operation, other, other_size, rank, ranks.size()));
+          };
           std::optional<std::vector<int64_t>> verdict;
           for (milliseconds pause(10);; pause = std::min(2 * pause, milliseconds(200))) {
+            if (store->check({mismatch_key})) {  // found by another rank
+              const std::vector<uint8_t> bytes = store->get(mismatch_key);
+              std::istringstream text(std::string(bytes.begin(), bytes.end()));
+              int64_t finder = 0, other = 0;
+              size_t finder_size = 0, other_size = 0;
+              text >> finder >> finder_size >> other >> other_size;
+              store->set(mismatch_taken_prefix + std::to_string(rank), std::vector<uint8_t>{1});
+              if (other_size == ranks.size()) {  // this rank is the odd one: name the finder
+                other = finder;
+                other_size = finder_size;
+              }
+              if (other_size != ranks.size()) {
+                throw LaunchMismatch(
+                    group_size_mismatch(operation, other, other_size, rank, ranks.size()));
+              }
+            }
             if (!decider && store->check({verdict_key})) {
               verdict = decode_ranks(store->get(verdict_key));
               // Arrived after the decider gave up: nobody keeps the store up for it.
               if (std::count(verdict->begin(), verdict->end(), rank) > 0) return *verdict;
             } else if (store->check(keys)) {
-              check_group_sizes(store->multiGet(keys), ranks, rank, operation);
+              if (const auto other = other_group_size(store->multiGet(keys), ranks)) {
+                mismatch(other->first, other->second);
+              }
               return {};
             }
             if (Clock::now() >= until) break;
@@ -418,7 +514,9 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
             absent = decode_ranks(store->get(verdict_key));
           } else {
             const std::vector<std::vector<uint8_t>> records = arrived_records();
-            check_group_sizes(records, ranks, rank, operation);
+            if (const auto other = other_group_size(records, ranks)) {
+              mismatch(other->first, other->second);
+            }
             for (size_t i = 0; i < keys.size(); ++i) {
               if (records[i].empty()) absent.push_back(ranks[i]);
             }
@@ -533,7 +631,9 @@ void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::st
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
                                       const std::string& key_prefix,
                                       const std::vector<int64_t>& ranks, int64_t rank,
-                                      const std::string& what, const std::string& error) {
+                                      const std::string& what, const std::string& error,
+                                      const std::string& id_or_empty) {
+  const std::string& id = id_or_empty.empty() ? what : id_or_empty;
   const std::string failed = what + " failed (" + error + ")";
   const std::string advice =
       ". The wait for other ranks is HP_TIMEOUT_S (or WorldOptions::timeout, the trainer's "
@@ -541,11 +641,11 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
   if (!store) return failed + advice;
   // One fault, one report: after a group's first failed collective its others (a prefetch
   // given up on while the error is handled) fail with it, without a report window each.
-  if (const std::string first = first_failure_of(store, key_prefix, what); first != what) {
-    return failed + "; after " + first + " failed (reported there)" + advice;
+  if (const auto first = first_failure_of(store, key_prefix, id, what); first.first != id) {
+    return failed + "; after " + first.second + " failed (reported there)" + advice;
   }
-  // Every member's failure of this collective, keyed by the collective's description.
-  const std::string report_prefix = key_prefix + "/failed/" + what + "/";
+  // Every member's failure of this collective, keyed by the collective's id.
+  const std::string report_prefix = key_prefix + "/failed/" + id + "/";
   std::vector<std::string> keys;
   for (int64_t r : ranks) keys.push_back(report_prefix + std::to_string(r));
   // The store calls are bounded too: a stopped store host, or a network cut between this
@@ -556,6 +656,7 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
     absent = finish_by<std::vector<int64_t>>(
         Clock::now() + kReportWindow + kReportGrace,
         [=] {
+          store->set(failing_key(rank), std::vector<uint8_t>(what.begin(), what.end()));
           store->set(report_prefix + std::to_string(rank), std::vector<uint8_t>{1});
           const Clock::time_point until = Clock::now() + kReportWindow;
           while (!store->check(keys) && Clock::now() < until) {
@@ -565,6 +666,7 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
           for (size_t i = 0; i < keys.size(); ++i) {
             if (!store->check({keys[i]})) missing.push_back(ranks[i]);
           }
+          store->set(absent_key(rank), encode_ranks(missing));
           return missing;
         },
         [&] {
@@ -577,10 +679,30 @@ std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& sto
     return failed + "; the store is unreachable too (" + message_of(store_error) +
            "): " + kStoreHost + " has exited, or this machine is cut off from it" + advice;
   }
-  if (absent.empty()) return failed + "; every rank of the group saw it fail" + advice;
-  return failed + "; world " + ranks_text(absent) + " did not report the same failure within " +
-         seconds_text(kReportWindow) +
-         ": stopped, crashed, or blocked elsewhere (hung, or still computing)" + advice;
+  // Absent members that failed elsewhere are followed to the ranks they waited for, as far
+  // as their reports come within another window; else they are named themselves.
+  Blame blame{absent, {}};
+  if (!absent.empty()) {
+    try {
+      blame = finish_by<Blame>(
+          Clock::now() + kReportWindow + kReportGrace,
+          [=] { return follow_blame(store, rank, absent, Clock::now() + kReportWindow); },
+          [] { return std::string("the store did not answer"); });
+    } catch (const std::exception&) {  // the absent members are the news; this is a detail
+    }
+  }
+  std::string elsewhere;
+  for (const auto& [blocked, where] : blame.blocked) {
+    elsewhere += "; world rank " + std::to_string(blocked) + " did not reach it: it failed in " +
+                 where.first + (where.second.empty() ? "" : ", waiting for world " + where.second);
+  }
+  if (blame.absent.empty()) {
+    return failed + (blame.blocked.empty() ? "; every rank of the group saw it fail" : elsewhere) +
+           advice;
+  }
+  return failed + "; world " + ranks_text(blame.absent) +
+         " did not report the same failure within " + seconds_text(kReportWindow) +
+         ": stopped, crashed, or blocked elsewhere (hung, or still computing)" + elsewhere + advice;
 }
 
 }  // namespace hp::detail

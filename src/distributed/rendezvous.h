@@ -75,9 +75,12 @@ void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::st
 // that did not (stopped, crashed, or not at this collective: hung, or still computing).
 // Its store calls are bounded (a stopped store host or a cut network is named as such).
 // Only a group's first failed collective is reported: the later ones name it at once.
+// `id` (empty: `what`) is what every member calls the collective: the same on each, where
+// `what` may differ (a send on one side, its receive on the other).
 std::string explain_failed_collective(const c10::intrusive_ptr<c10d::Store>& store,
                                       const std::string& key_prefix,
                                       const std::vector<int64_t>& ranks, int64_t rank,
-                                      const std::string& what, const std::string& error);
+                                      const std::string& what, const std::string& error,
+                                      const std::string& id = "");
 
 }  // namespace hp::detail

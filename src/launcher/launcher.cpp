@@ -18,6 +18,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -200,40 +201,48 @@ constexpr const char* kAgentStore = "TORCHELASTIC_USE_AGENT_STORE";
 // Programs under an agent store keep each attempt's keys apart by it (PyTorch requires it).
 constexpr const char* kRestartCount = "TORCHELASTIC_RESTART_COUNT";
 
-// A socket bound to a free TCP port of `addr` (close-on-exec, not listening), and the port.
-std::pair<UniqueFd, int> bind_free_port(const std::string& addr) {
+// A socket bound to `port` of `addr` (0: a free one), close-on-exec and not listening, and
+// the port. IPv4 addresses come first: ranks reach MASTER_ADDR over IPv4 (rendezvous.cpp).
+std::pair<UniqueFd, int> bind_port(const std::string& addr, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
   addrinfo* found = nullptr;
-  if (const int rc = getaddrinfo(addr.c_str(), "0", &hints, &found); rc != 0) {
-    C10_THROW_ERROR(Error,
-                    "hp::find_free_port: cannot resolve '" + addr + "': " + gai_strerror(rc));
+  if (const int rc = getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found);
+      rc != 0) {
+    C10_THROW_ERROR(Error, "cannot resolve '" + addr + "': " + gai_strerror(rc));
   }
+  std::vector<const addrinfo*> candidates;
+  for (const addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) candidates.push_back(ai);
+  std::stable_partition(candidates.begin(), candidates.end(),
+                        [](const addrinfo* ai) { return ai->ai_family == AF_INET; });
   int err = 0;
   UniqueFd bound_fd;
-  int port = -1;
-  for (const addrinfo* ai = found; ai != nullptr && port < 0; ai = ai->ai_next) {
+  int bound_port = -1;
+  for (const addrinfo* ai : candidates) {
     UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    // As TCPStore's own listener: a port of a run that just ended (TIME_WAIT) is free.
+    const int on = 1;
+    if (fd.get() >= 0) setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
     sockaddr_storage bound{};
     socklen_t len = sizeof bound;
     if (fd.get() >= 0 && bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 &&
         getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      port = bound.ss_family == AF_INET6
-                 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-                 : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+      bound_port = bound.ss_family == AF_INET6
+                       ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                       : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
       bound_fd = std::move(fd);
-    } else {
-      err = errno;
+      break;
     }
+    err = errno;
   }
   freeaddrinfo(found);
-  if (port < 0) {
-    C10_THROW_ERROR(Error,
-                    "hp::find_free_port: cannot bind to '" + addr + "': " + std::strerror(err));
+  if (bound_port < 0) {
+    C10_THROW_ERROR(Error, "cannot bind to '" + addr + "' port " + std::to_string(port) + ": " +
+                               std::strerror(err));
   }
-  return {std::move(bound_fd), port};
+  return {std::move(bound_fd), bound_port};
 }
 
 struct Rank {
@@ -359,12 +368,13 @@ class Launch {
     store_options.numWorkers = static_cast<size_t>(options_.nprocs);
     store_options.useLibUV = false;  // also the ranks' choice (rendezvous.cpp)
     store_options.port = static_cast<uint16_t>(options_.master_port);
-    if (options_.master_port == 0) {
-      auto [socket, port] = bind_free_port(options_.master_addr);
+    try {
+      // TCPStore binds its own listener to every interface (IPv4 and IPv6), whatever the
+      // address, and the store has no authentication: hand it a socket bound to
+      // master_addr alone, the given port or a free one.
+      auto [socket, port] = bind_port(options_.master_addr, options_.master_port);
       store_options.port = static_cast<uint16_t>(port);
       store_options.masterListenFd = socket.release();  // the store closes it
-    }
-    try {
       store_ = c10::make_intrusive<c10d::TCPStore>(options_.master_addr, store_options);
     } catch (const c10::Error& error) {
       fail("cannot host the store on " + options_.master_addr + ":" +
@@ -603,6 +613,12 @@ LaunchResult launch_local(const LaunchOptions& options) {
   return result;
 }
 
-int find_free_port(const std::string& addr) { return bind_free_port(addr).second; }
+int find_free_port(const std::string& addr) {
+  try {
+    return bind_port(addr, 0).second;
+  } catch (const c10::Error& error) {
+    C10_THROW_ERROR(Error, std::string("hp::find_free_port: ") + error.what_without_backtrace());
+  }
+}
 
 }  // namespace hp

@@ -169,7 +169,8 @@ class StepRun {
         if (!shape.record.defined()) {
           shape.record = at::empty({kMaxDims + 2}, at::kLong);
           shape.handle = recv(shape.record, previous_rank(), group_,
-                              tag(Message::kShape, stage(action.chunk) - 1, 0));
+                              tag(Message::kShape, stage(action.chunk) - 1, 0),
+                              transfer(action, "receiving the activations' shape from"));
         }
         return;
       }
@@ -177,13 +178,15 @@ class StepRun {
       mb.input = at::empty(
           shape.sizes, at::TensorOptions().dtype(shape.dtype).device(chunks_[action.chunk].device));
       mb.received = recv(mb.input, previous_rank(), group_,
-                         tag(Message::kActivation, stage(action.chunk) - 1, action.microbatch));
+                         tag(Message::kActivation, stage(action.chunk) - 1, action.microbatch),
+                         transfer(action, "receiving its input activation from"));
     } else {
       if (is_last(action.chunk) || mb.received.pending() || !mb.output.defined()) return;
       note(trace::Kind::kIssue, "pp_recv", action);
       mb.output_grad = at::empty_like(mb.output);
       mb.received = recv(mb.output_grad, next_rank(), group_,
-                         tag(Message::kGradient, stage(action.chunk), action.microbatch));
+                         tag(Message::kGradient, stage(action.chunk), action.microbatch),
+                         transfer(action, "receiving its output gradient from"));
     }
   }
 
@@ -239,9 +242,23 @@ class StepRun {
   }
 
   CommHandle send_to(const at::Tensor& tensor, int64_t dst, int message_tag,
-                     const PipelineAction& action) {
+                     const PipelineAction& action, const char* sending) {
     note(trace::Kind::kIssue, "pp_send", action);
-    return send(tensor, dst, group_, message_tag);
+    return send(tensor, dst, group_, message_tag, transfer(action, sending));
+  }
+
+  // How a failed transfer of `action` is named: its stage, pass and microbatch, what it
+  // moves and the peer stage (forward: the previous one when receiving; backward: the
+  // previous one when sending), e.g. "pipeline stage 2, backward of microbatch 3:
+  // receiving its output gradient from stage 3".
+  std::string transfer(const PipelineAction& action, const std::string& moving) const {
+    const bool forward = action.kind == PipelineAction::kForward;
+    const bool receiving = moving.starts_with("receiving");
+    const int64_t own = stage(action.chunk);
+    const int64_t peer = forward == receiving ? own - 1 : own + 1;
+    return "pipeline stage " + std::to_string(own) + ", " + (forward ? "forward" : "backward") +
+           " of microbatch " + std::to_string(action.microbatch) + ": " + moving + " stage " +
+           std::to_string(peer);
   }
 
   void forward(const PipelineAction& action, const PipelineAction* next) {
@@ -271,8 +288,9 @@ class StepRun {
       sent_shape.sizes = activation.sizes().vec();
       sent_shape.dtype = activation.scalar_type();
       const at::Tensor record = shape_record(activation);
-      sends_.emplace_back(record, send_to(record, next_rank(),
-                                          tag(Message::kShape, stage(action.chunk), 0), action));
+      sends_.emplace_back(
+          record, send_to(record, next_rank(), tag(Message::kShape, stage(action.chunk), 0), action,
+                          "sending the activations' shape to"));
     } else if (activation.sizes() != c10::IntArrayRef(sent_shape.sizes) ||
                activation.scalar_type() != sent_shape.dtype) {
       C10_THROW_ERROR(ValueError,
@@ -285,9 +303,9 @@ class StepRun {
                           c10::toString(sent_shape.dtype) +
                           "); the microbatches of a step must give outputs of one shape");
     }
-    mb.output_sent =
-        send_to(activation, next_rank(),
-                tag(Message::kActivation, stage(action.chunk), action.microbatch), action);
+    mb.output_sent = send_to(activation, next_rank(),
+                             tag(Message::kActivation, stage(action.chunk), action.microbatch),
+                             action, "sending its output activation to");
   }
 
   void take_aux_loss(const PipelineAction& action, const at::Tensor& aux_loss) {
@@ -342,10 +360,10 @@ class StepRun {
     if (!is_first(action.chunk)) {
       mb.input_grad = mb.input.grad();
       if (!mb.input_grad.defined()) mb.input_grad = at::zeros_like(mb.input);  // input unused
-      sends_.emplace_back(
-          mb.input_grad,
-          send_to(mb.input_grad, previous_rank(),
-                  tag(Message::kGradient, stage(action.chunk) - 1, action.microbatch), action));
+      sends_.emplace_back(mb.input_grad, send_to(mb.input_grad, previous_rank(),
+                                                 tag(Message::kGradient, stage(action.chunk) - 1,
+                                                     action.microbatch),
+                                                 action, "sending its input gradient to"));
     }
     // What forward kept is no longer needed.
     mb.input = at::Tensor();

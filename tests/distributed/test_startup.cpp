@@ -114,11 +114,15 @@ TEST(Startup, RanksThatNeverStartAreNamedWithinTheTimeout) {
   EXPECT_LT(rank1.seconds, 4.5) << "the timeout is 3 s";
 }
 
-// Ranks started with different WORLD_SIZEs are told so, not that a rank is missing.
+// Ranks started with different WORLD_SIZEs are told so, not that a rank is missing: both
+// sides, at once (the side whose join cannot complete, waiting for a rank 2 that does not
+// exist, learns it from the other; before, only the other side named it).
 TEST(Startup, ADifferentWorldSizeIsNamed) {
   const int port = find_free_port();
+  TempFile rank1_output;
   const Timed rank0 =
-      timed(both(rank_command(1, 3, port, 3) + " > /dev/null 2>&1", rank_command(0, 2, port, 3)));
+      timed(both(rank_command(1, 3, port, 3) + " > " + rank1_output.path.string() + " 2>&1",
+                 rank_command(0, 2, port, 3)));
   EXPECT_EQ(rank0.run.exit_code, 1) << rank0.run.output;
   EXPECT_TRUE(contains(rank0.run.output,
                        "world_join: error: start-up join of 2 ranks: rank 1 expects a group of 3 "
@@ -126,6 +130,14 @@ TEST(Startup, ADifferentWorldSizeIsNamed) {
       << rank0.run.output;
   expect_no_backtrace(rank0.run.output);
   EXPECT_LT(rank0.seconds, 2.9) << "at once, not after the timeout (3 s)";
+  const std::string rank1 = rank1_output.text();
+  EXPECT_TRUE(contains(rank1,
+                       "world_join: error: start-up join of 3 ranks: rank 0 expects a group of 2 "
+                       "ranks, this rank (1) one of 3: start every rank with the same WORLD_SIZE"))
+      << rank1;
+  expect_no_backtrace(rank1);
+  EXPECT_GE(failed_after(rank1), 0.0) << rank1;
+  EXPECT_LT(failed_after(rank1), 2.9) << "at once, not after the timeout (3 s)";
 }
 
 // Two processes started with the same RANK: the later one is told so at once, and the

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -27,6 +28,7 @@
 #include "fsdp_test_util.h"
 #include "models/mlp.h"
 #include "shared_dir.h"
+#include "stopped_rank.h"
 
 namespace hp {
 namespace {
@@ -364,6 +366,52 @@ HP_DIST_TEST(FullyShardFailures, AStoppedRankSurfacesWithinTheTimeoutPlus3s, 2, 
 
 HP_DIST_TEST(FullyShardFailures, AStoppedRankSurfacesWithinTheTimeoutPlus3sFused, 2) {
   stopped_rank_surfaces_within_the_bound(/*comm_fusion=*/true);
+}
+
+// On a 2x2 mesh (HSDP: replicas {0, 2} and {1, 3}, shards {0, 1} and {2, 3}) with rank 2
+// stopped, every other rank fails within the timeout + 3 s of the stop, its World and model
+// destroyed too (as when the error leaves a program's main, which prints it then), naming
+// rank 2 alone: rank 1 meets rank 2 only through rank 3 (its replica), which is blocked in
+// a collective with rank 2 and fails there; naming rank 3, live, would send the user to
+// the wrong rank.
+HP_DIST_TEST(FullyShardFailures, AStoppedRankOfATwoByTwoMeshIsNamedByEveryOther, 4) {
+  constexpr auto kTimeout = std::chrono::seconds(2);
+  constexpr int64_t kStopped = 2;
+  testing::StoppedRank stopped(testing::shared_dir("hp_stopped_mesh"), "2x2");
+  int64_t rank = -1;
+  std::chrono::steady_clock::time_point start;
+  std::string error;
+  {
+    auto world = World::from_env(WorldOptions{kTimeout});
+    rank = world->rank();
+    torch::manual_seed(42);
+    Sharded<Mlp> model(8, 16, 32, 4, 3);
+    FullyShardOptions options;
+    options.mesh = DeviceMesh(world, {{"replicate", 2}, {"shard", 2}});
+    for (auto& block : model->blocks) fully_shard(block, options);
+    fully_shard(model, options);
+    const auto step = [&] { model(torch::randn({4, 8})).sum().backward(); };
+    step();  // on every rank: the groups and the lazy initialization are done
+    if (rank == kStopped) {
+      stopped.stop_here();
+      EXPECT_NE(error_of(step), "no error") << "the others gave up on this step";
+      return;
+    }
+    ASSERT_TRUE(stopped.wait_until_stopped());
+    start = std::chrono::steady_clock::now();
+    error = error_of(step);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::smatch absent;
+  ASSERT_TRUE(std::regex_search(
+      error, absent, std::regex("world ranks? ([0-9, ]+) did not report the same failure")))
+      << error;
+  EXPECT_EQ(absent[1].str(), "2") << error;
+  EXPECT_LT(seconds, 2.0 + 3.0) << error;
+  std::printf("rank %lld failed after %.2f s: %s\n", static_cast<long long>(rank), seconds,
+              error.c_str());
+  stopped.done(rank, /*resumer=*/0, {1, 3});
 }
 
 }  // namespace

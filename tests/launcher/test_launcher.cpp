@@ -391,6 +391,25 @@ TEST(Launcher, HostsTheStoreOnTheChosenPortAndTellsTheRanks) {
   EXPECT_EQ(hp::launch_local(options).ranks[1].output, "3\n");
 }
 
+// The store has no authentication: it listens on --master-addr alone, with a port given
+// (TCPStore's own listener took every interface, IPv4 and IPv6) as with one chosen here.
+TEST(Launcher, TheStoreListensOnTheMasterAddressOnly) {
+  const std::string probe =
+      "python3 -c 'import os, socket\n"
+      "for host in (\"127.0.0.1\", \"127.0.0.2\", \"::1\"):\n"
+      "  s = socket.socket(socket.AF_INET6 if \":\" in host else socket.AF_INET)\n"
+      "  print(host, \"refused\" if s.connect_ex((host, int(os.environ[\"MASTER_PORT\"]))) "
+      "else \"open\")'";
+  for (const int port : {hp::find_free_port("127.0.0.1"), 0}) {
+    SCOPED_TRACE(port);
+    auto options = sh_ranks(1, probe);
+    options.master_port = port;
+    const hp::LaunchResult result = hp::launch_local(options);
+    ASSERT_EQ(result.exit_code, 0) << result.ranks[0].output;
+    EXPECT_EQ(result.ranks[0].output, "127.0.0.1 open\n127.0.0.2 refused\n::1 refused\n");
+  }
+}
+
 TEST(Launcher, AnExplicitPortInUseIsNamed) {
   const hp::testing::LoopbackListener listener;
   auto options = sh_ranks(2, "true");

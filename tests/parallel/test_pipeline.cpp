@@ -6,6 +6,8 @@
 // Every multi-rank test has the harness's timeout, so a deadlock fails instead of hanging.
 #include <torch/torch.h>
 
+#include <chrono>
+
 #include "distributed_test.h"
 #include "error_of.h"
 #include "fsdp_test_util.h"
@@ -13,6 +15,8 @@
 #include "hyperparallel/pipeline.h"
 #include "hyperparallel/trace.h"
 #include "models/mlp.h"
+#include "shared_dir.h"
+#include "stopped_rank.h"
 
 namespace hp {
 namespace {
@@ -133,6 +137,47 @@ HP_DIST_TEST(Pipeline, BadArgumentsAreReported, 2) {
   EXPECT_NE(error.find("is not divisible into 3 microbatches"), std::string::npos) << error;
   EXPECT_NE(error_of([] { GPipeSchedule({}, 1, testing::mse_loss); }).find("has no forward"),
             std::string::npos);
+}
+
+// A stage that stops (SIGSTOP: a frozen process or machine) is named by both neighbours
+// within the timeout + 3 s: the transfer (stage, pass, microbatch, direction), the peer's
+// world rank, and that the peer did not see it fail, not Gloo's bare timeout. The stopped
+// stage is resumed afterwards and fails too.
+HP_DIST_TEST(Pipeline, AStoppedStageIsNamedByItsNeighbours, 3) {
+  constexpr auto kTimeout = std::chrono::seconds(2);
+  auto world = World::from_env(WorldOptions{kTimeout});
+  const int64_t rank = world->rank();
+  at::Tensor weight = torch::ones({2}, torch::requires_grad());
+  GPipeSchedule schedule(
+      {.forward = [&](const at::Tensor& x) { return x * weight; }, .group = world->world_group()},
+      2, testing::mse_loss);
+  const auto step = [&] {
+    schedule.step(rank == 0 ? torch::ones({4, 2}) : at::Tensor(),
+                  rank == 2 ? torch::ones({4, 2}) : at::Tensor());
+  };
+  step();  // every connection made
+  testing::StoppedRank stopped(testing::shared_dir("hp_stopped_stage"), "pipeline");
+  if (rank == 1) {
+    stopped.stop_here();
+    EXPECT_NE(error_of(step), "no error") << "the others gave up on this step";
+    return;
+  }
+  ASSERT_TRUE(stopped.wait_until_stopped());
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error = error_of(step);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Stage 0 sent both microbatches' activations and waits for the first gradient; stage 2
+  // waits for the activations' shape, which comes before the first microbatch.
+  const std::string transfer =
+      rank == 0 ? "pipeline stage 0, backward of microbatch 0: receiving its output gradient "
+                  "from stage 1 (recv from world rank 1 over group 'world') failed"
+                : "pipeline stage 2, forward of microbatch 0: receiving the activations' shape "
+                  "from stage 1 (recv from world rank 1 over group 'world') failed";
+  EXPECT_NE(error.find(transfer), std::string::npos) << error;
+  EXPECT_NE(error.find("world rank 1 did not report the same failure"), std::string::npos) << error;
+  EXPECT_LT(seconds, 2.0 + 3.0) << error;
+  stopped.done(rank, /*resumer=*/0, {2});
 }
 
 }  // namespace

@@ -443,6 +443,24 @@ TEST(Trainer, PreemptedRunSavesLastWordsAndResumesBitwiseEqual) {
   expect_same_checkpoint(straight, preempted, steps, 4);
 }
 
+// A file-size limit (`ulimit -f`, which some batch systems set) fails the save with an error
+// naming the file and the limit, instead of SIGXFSZ killing the saving ranks without a word
+// (exit 153); no checkpoint is left that could be loaded.
+TEST(Trainer, AFileSizeLimitFailsTheSaveNamingTheFileAndTheLimit) {
+  TempDir dir;
+  const std::string save = (dir.path / "ckpt").string();
+  // dash counts 512-byte blocks: 128 KiB, less than a rank's shard of the model and AdamW.
+  const ProgramRun run =
+      run_program("ulimit -f 256 && " + train_command(2, "1x2", "", "--steps 2 --save " + save));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(std::regex_search(
+      run.output, std::regex("rank-0000[01]\\.safetensors: File too large \\(this process's "
+                             "file-size limit, RLIMIT_FSIZE or `ulimit -f`, is 131072 bytes")))
+      << run.output;
+  EXPECT_FALSE(hp::latest_checkpoint(save).has_value()) << run.output;
+  EXPECT_FALSE(fs::exists(checkpoint_dir_for_step(save, 2))) << run.output;
+}
+
 TEST(Trainer, ConfigFileFlagsAndBadInput) {
   TempDir dir;
   fs::create_directories(dir.path);
@@ -503,6 +521,31 @@ TEST(Trainer, MalformedConfigsUnknownKeysAndNonFiniteNumbersAreUsageErrors) {
   const ProgramRun hp_run = run_program(std::string(HP_RUN_PATH) + " --timeout nan -- true");
   EXPECT_EQ(hp_run.exit_code, 2) << hp_run.output;
   EXPECT_TRUE(contains(hp_run.output, "must be a finite number")) << hp_run.output;
+}
+
+// Numbers out of an option's range are usage errors (exit 2) that name the rule, not a
+// CLI11 range up to the largest double (all 309 digits); so are a negative fusion bucket
+// and a --fail-rank beyond the ranks (exit 1 before).
+TEST(Trainer, OutOfRangeNumbersAreShortUsageErrors) {
+  const auto parse = [&](const std::string& flags) {
+    return run_program(std::string(TRAIN_DECODER_PATH) + corpus_flags() + flags);
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--lr 0", "--lr: must be positive, got '0'"},
+      {"--tp -2", "--tp: must be positive, got '-2'"},
+      {"--clip-grad -1", "--clip-grad: must not be negative, got '-1'"},
+      {"--fail-at-step 0", "--fail-at-step: must be positive, got '0'"},
+      {"--comm-fusion-bucket -1", "--comm-fusion-bucket: must not be negative"}};
+  for (const auto& [flags, message] : cases) {
+    const ProgramRun run = parse(flags);
+    EXPECT_EQ(run.exit_code, 2) << flags << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, message)) << flags << "\n" << run.output;
+    EXPECT_FALSE(contains(run.output, "179769313486231")) << flags << "\n" << run.output;
+  }
+  const ProgramRun fail_rank = train("", "--steps 2 --fail-at-step 1 --fail-rank 9");
+  EXPECT_EQ(fail_rank.exit_code, 2) << fail_rank.output;
+  EXPECT_TRUE(contains(fail_rank.output, "--fail-rank 9: there are only 2 ranks"))
+      << fail_rank.output;
 }
 
 // The values of `field` ("loss", "grad_norm"; full precision) of every logged step in
