@@ -23,6 +23,8 @@ namespace {
 void keep_in_flight(c10::intrusive_ptr<c10d::Work> work) {
   static auto* const mutex = new std::mutex;
   static auto* const kept = new std::vector<at::DataPtr>;  // never freed, not even at exit
+  // Held here, not released: LeakSanitizer then sees it kept, not lost.
+  static auto* const kept_work = new std::vector<c10::intrusive_ptr<c10d::Work>>;
   std::vector<at::Tensor> outputs;
   try {
     outputs = work->result();
@@ -34,7 +36,7 @@ void keep_in_flight(c10::intrusive_ptr<c10d::Work> work) {
       kept->push_back(detail::take_storage(output));
     }
   }
-  (void)work.release();
+  kept_work->push_back(std::move(work));
 }
 
 }  // namespace
