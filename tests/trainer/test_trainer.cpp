@@ -695,8 +695,8 @@ TEST(Trainer, TorchrunLaunchesAndRestartsTheTrainer) {
 // baseline, samples through the stages, keeps both copies of the tied embedding bitwise
 // equal, and says its schedule in the resolved configuration.
 TEST(Trainer, PipelineParallelLearnsAndSaysItsSchedule) {
-  const ProgramRun run =
-      run_program(train_command(4, "1x2", "", "--pp 2 --pp-schedule 1f1b --steps 60"));
+  const ProgramRun run = run_program(
+      train_command(4, "1x2", "", "--pp 2 --pp-schedule 1f1b --steps 60 --require-learning"));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_TRUE(contains(run.output, "OK: validation loss ")) << run.output;
   for (const std::string& line :
