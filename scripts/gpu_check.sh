@@ -87,7 +87,7 @@ for communicate in 0 1; do
   grep -q "PASSED" "$out" || failed "test_cuda passed nothing"
 done
 
-step "activation swap on one GPU: pinned host memory, side-stream copies (tests/recompute/test_activation_swap_cuda.cpp)"
+step "activation swap on one GPU: pinned host memory, side-stream copies (tests/activation_swap/test_activation_swap_cuda.cpp)"
 out=$(mktemp)
 "$build/tests/test_activation_swap_cuda" | tee "$out" || failed "test_activation_swap_cuda"
 grep -q "SKIPPED" "$out" && failed "the activation swap CUDA tests were skipped: no CUDA device"

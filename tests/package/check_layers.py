@@ -8,7 +8,7 @@ import re
 import sys
 
 # Lowest first; docs/architecture.md explains each.
-LAYERS = ["distributed", "trace", "deferred_init", "recompute", "fsdp", "parallel",
+LAYERS = ["distributed", "trace", "deferred_init", "recompute", "activation_swap", "fsdp", "parallel",
           "materialize", "checkpoint", "clip_grad"]
 # The folder implementing each public header.
 PUBLIC = {
@@ -16,7 +16,7 @@ PUBLIC = {
     "comm_codec": "distributed", "quantized_collectives": "distributed",
     "mesh": "distributed", "launch_env": "distributed", "parallel_slice": "distributed",
     "trace": "trace", "deferred_init": "deferred_init", "recompute": "recompute",
-    "activation_swap": "recompute",
+    "activation_swap": "activation_swap",
     "fully_shard": "fsdp", "policy": "fsdp", "placement": "fsdp", "sharded_parameter": "fsdp",
     "detail/sharded_forward": "fsdp",
     "tensor_parallel": "parallel", "context_parallel": "parallel", "expert_parallel": "parallel",

@@ -16,7 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "saved_tensor_hooks.h"
+#include "../recompute/saved_tensor_hooks.h"
 #include "swap_file.h"
 #include "swapped_storage.h"
 
