@@ -76,9 +76,8 @@ void CommHandle::wait() {
     if (state_->work) wait_for_work();
   } catch (const std::exception& failure) {
     if (state_->failure.explain) {
-      error = std::make_exception_ptr(
-          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                state_->failure.explain(detail::message_of(failure))));
+      error = std::make_exception_ptr(detail::named_failure<c10::DistBackendError>(
+          state_->failure.explain(detail::message_of(failure))));
     } else {
       error = std::current_exception();
     }

@@ -16,4 +16,12 @@ inline std::string message_of(const std::exception& error) {
   return error.what();
 }
 
+// A distributed failure whose message names what happened (the rank that stopped, the
+// store that did not answer) is the whole story: made without a C++ backtrace, so that a
+// program that lets it end the process (std::terminate prints what()) prints it alone.
+template <typename Failure>
+Failure named_failure(std::string message) {
+  return Failure(std::move(message));
+}
+
 }  // namespace hp::detail

@@ -15,6 +15,7 @@
 #endif
 
 #include "device_choice.h"
+#include "error_message.h"
 #include "hyperparallel/launch_env.h"
 #include "rendezvous.h"
 
@@ -217,10 +218,10 @@ void World::agree_on_device(bool require_gpu) {
       });
   if (const auto why = detail::why_not_all_on_gpus(*seen)) {
     if (require_gpu) {
-      C10_THROW_ERROR(ValueError,
-                      "a GPU was required (WorldOptions::require_gpu or "
-                      "HP_REQUIRE_GPU=1) but the job cannot run on GPUs: " +
-                          *why);
+      throw detail::named_failure<c10::ValueError>(
+          "a GPU was required (WorldOptions::require_gpu or "
+          "HP_REQUIRE_GPU=1) but the job cannot run on GPUs: " +
+          *why);
     }
     // A job meant for GPUs that quietly runs on CPUs would only look slow.
     if (device_.is_cuda()) {

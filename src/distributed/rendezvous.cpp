@@ -248,7 +248,7 @@ T finish_by(Clock::time_point at, std::function<T()> work,
   }).detach();
   std::unique_lock lock(outcome->mutex);
   if (!outcome->finished.wait_until(lock, at, [&] { return outcome->done; })) {
-    throw DeadlinePassed({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, late());
+    throw named_failure<DeadlinePassed>(late());
   }
   if (outcome->error) std::rethrow_exception(outcome->error);
   return std::move(*outcome->value);
@@ -266,11 +266,11 @@ std::string resolve_master(const LaunchEnv& env, const Deadline& deadline) {
         addrinfo* found = nullptr;
         const int status = getaddrinfo(name.c_str(), nullptr, &hints, &found);
         if (status != 0 || found == nullptr) {
-          C10_THROW_ERROR(ValueError, "MASTER_ADDR='" + name +
-                                          "' does not resolve to an IPv4 address (" +
-                                          gai_strerror(status) +
-                                          "); set MASTER_ADDR to an address or a resolvable host "
-                                          "name of the rank-0 machine");
+          throw named_failure<c10::ValueError>(
+              "MASTER_ADDR='" + name + "' does not resolve to an IPv4 address (" +
+              gai_strerror(status) +
+              "); set MASTER_ADDR to an address or a resolvable host "
+              "name of the rank-0 machine");
         }
         char text[INET_ADDRSTRLEN] = {};
         inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
@@ -306,7 +306,7 @@ std::string local_address_towards(const std::string& master, int port) {
                   connect(fd, reinterpret_cast<const sockaddr*>(&target), sizeof target) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
   if (fd >= 0) close(fd);
-  if (!ok) C10_THROW_ERROR(DistNetworkError, "no network route to MASTER_ADDR=" + master);
+  if (!ok) throw named_failure<c10::DistNetworkError>("no network route to MASTER_ADDR=" + master);
   char text[INET_ADDRSTRLEN] = {};
   inet_ntop(AF_INET, &local.sin_addr, text, sizeof text);
   return text;
@@ -324,12 +324,11 @@ void check_port_free(const LaunchEnv& env) {
       bind(fd, reinterpret_cast<const sockaddr*>(&any), sizeof any) != 0 && errno == EADDRINUSE;
   close(fd);
   if (in_use) {
-    C10_THROW_ERROR(
-        DistNetworkError,
+    throw named_failure<c10::DistNetworkError>(
         "rank 0 cannot host the store: MASTER_PORT=" + std::to_string(env.master_port) +
-            " is already in use on this machine (another program, or a run still going); pick a "
-            "free MASTER_PORT (hp-run picks one itself; under torchrun its agent hosts the store "
-            "and sets TORCHELASTIC_USE_AGENT_STORE=True)");
+        " is already in use on this machine (another program, or a run still going); pick a "
+        "free MASTER_PORT (hp-run picks one itself; under torchrun its agent hosts the store "
+        "and sets TORCHELASTIC_USE_AGENT_STORE=True)");
   }
 }
 
@@ -403,12 +402,12 @@ StoreConnection connect_store(const LaunchEnv& env, const Deadline& deadline) {
     throw;
   } catch (const c10::Error& error) {
     if (host) {
-      C10_THROW_ERROR(DistNetworkError, "rank 0 cannot host the store on MASTER_PORT=" +
-                                            std::to_string(env.master_port) + ": " +
-                                            error.what_without_backtrace());
+      throw named_failure<c10::DistNetworkError>(
+          "rank 0 cannot host the store on MASTER_PORT=" + std::to_string(env.master_port) + ": " +
+          error.what_without_backtrace());
     }
-    C10_THROW_ERROR(DistNetworkError,
-                    unreachable_store(env, address, deadline, error.what_without_backtrace()));
+    throw named_failure<c10::DistNetworkError>(
+        unreachable_store(env, address, deadline, error.what_without_backtrace()));
   }
   if (env.agent_store) {
     // The agent's store outlives a failed attempt; a restarted one must not see its keys.
@@ -541,9 +540,9 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
         } catch (const LaunchMismatch&) {
           throw;
         } catch (const std::exception& error) {
-          C10_THROW_ERROR(DistNetworkError, operation + ": lost the connection to the store (" +
-                                                message_of(error) + "): " + kStoreHost +
-                                                " has exited, or this machine is cut off from it");
+          throw named_failure<c10::DistNetworkError>(
+              operation + ": lost the connection to the store (" + message_of(error) +
+              "): " + kStoreHost + " has exited, or this machine is cut off from it");
         }
       },
       [&] {
@@ -566,15 +565,13 @@ void await_ranks(const c10::intrusive_ptr<c10d::Store>& store, const std::string
         [] { return std::string("the store did not answer"); });
   } catch (const std::exception&) {  // the missing ranks are the news; this is a detail
   }
-  C10_THROW_ERROR(
-      DistNetworkError,
+  throw named_failure<c10::DistNetworkError>(
       operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
-          ranks_text(missing) + " of " + std::to_string(ranks.size()) + " did not arrive" +
-          (duplicated.empty() ? ""
-                              : " (and two processes arrived as " + ranks_text(duplicated) + ")") +
-          ". Start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and a RANK of "
-          "its own, or " +
-          kRaiseTimeout);
+      ranks_text(missing) + " of " + std::to_string(ranks.size()) + " did not arrive" +
+      (duplicated.empty() ? "" : " (and two processes arrived as " + ranks_text(duplicated) + ")") +
+      ". Start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and a RANK of "
+      "its own, or " +
+      kRaiseTimeout);
 }
 
 void bounded_by_store(const std::string& operation, const Deadline& deadline,
@@ -621,10 +618,9 @@ void leave_after_all(const c10::intrusive_ptr<c10d::Store>& store, const std::st
     }
   });
   if (!missing->empty()) {
-    C10_THROW_ERROR(DistNetworkError,
-                    operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
-                        ranks_text(*missing) + " did not finish it (crashed, or stopped); " +
-                        kRaiseTimeout);
+    throw named_failure<c10::DistNetworkError>(
+        operation + " timed out after " + seconds_text(deadline.timeout) + ": " +
+        ranks_text(*missing) + " did not finish it (crashed, or stopped); " + kRaiseTimeout);
   }
 }
 
