@@ -500,9 +500,6 @@ int64_t resume(const std::string& from, torch::nn::Module& model, torch::optim::
   return done;
 }
 
-// The checkpoint after `step`: in the background with `saver` (null: before returning).
-// `last_words`: the signal that preempted the run, kept in the checkpoint as "last_words"
-// (0: a regular save; a resumed run treats both alike).
 // Checkpoints never hold inf or NaN weights: every rank checks its part, and all agree.
 void require_finite_weights(torch::nn::Module& model, int64_t step, const Job& job) {
   at::Tensor non_finite = torch::zeros({}, torch::kLong);
@@ -519,6 +516,9 @@ void require_finite_weights(torch::nn::Module& model, int64_t step, const Job& j
   }
 }
 
+// The checkpoint after `step`: in the background with `saver` (null: before returning).
+// `last_words`: the signal that preempted the run, kept in the checkpoint as "last_words"
+// (0: a regular save; a resumed run treats both alike).
 void save(const TrainOptions& o, int64_t step, torch::nn::Module& model,
           torch::optim::AdamW& optimizer, const Job& job, hp::AsyncCheckpointSaver* saver = nullptr,
           int last_words = 0) {

@@ -81,8 +81,8 @@ std::vector<std::string> safetensors_files(const std::string& dir) {
   return files;
 }
 
-// The files a consolidated directory's weight map (`path`) names, sorted, each checked
-// present among `files`, and where it puts each tensor.
+// Where a consolidated directory's weight map (`path`) puts each tensor, every file it
+// names checked present among `files`.
 std::map<std::string, std::string> read_weight_map(const fs::path& path,
                                                    const std::vector<std::string>& files,
                                                    const std::string& caller) {
