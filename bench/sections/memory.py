@@ -95,7 +95,7 @@ def columns_text(rep, args, ref):
         f"unsharded with their gradients (8 bytes x {block / 1e6:.2f} M x 2 = "
         f"{16 * block / MIB:.0f} MiB; none on 1 rank) + activations "
         f"({activation_bytes(ref['model']) / MIB:.0f} MiB, "
-        "counted from the model's forward: `activation_bytes` in `bench/report.py`). It "
+        "counted from the model's forward: `activation_bytes` in `bench/sections/memory.py`). It "
         "applies to the variants that reshard after forward (hp, hp comm_fusion). Peak-RSS "
         f"runs set `GLIBC_TUNABLES={args.memory_malloc}`: blocks of 128 KiB or more are "
         "mapped on allocation and unmapped on free, so RSS follows the live tensors."
