@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # make bench: every benchmark of docs/performance.md, then rewrites that file from the
-# results (bench/report.py) and prints its tables.
+# results (bench/report.py; each section's part in bench/sections/SECTION.py) and prints
+# its tables.
 #
 #   scripts/in_env.sh bench/run.sh [BUILD_DIR]      (what `make bench` runs)
 #   scripts/in_env.sh bench/run.sh BUILD_DIR --only memory,beyond
