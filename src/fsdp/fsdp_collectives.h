@@ -7,7 +7,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <functional>
 #include <vector>
 
 #include "comm_streams.h"
@@ -114,20 +113,16 @@ DivideFactors split_divide_factor(double factor, c10::ScalarType reduce_dtype);
 // `keep_grads`: the gradients stay referenced until the inputs are released, as a lane
 // other than the one that made them reads them (CommStreams). With
 // policy.reduce_scatter_codec each reduce-scatter moves quantized blocks instead (per
-// parameter, all of a module's in one collective, as the all-gathers), and
-// with policy.error_feedback carries the residuals `residual_of` gives (the fused input
-// carries its parameters' residuals, copied in and back out); `dropped_blocks` counts the
-// blocks whose residual was dropped (quantized_collectives.h).
-// A parameter's error-feedback residual on `device`: [shards x padded_numel] fp32,
-// rank-major like its reduce-scatter input, kept from one reduction to the next.
-using ResidualOf = std::function<at::Tensor(const FSDPParam& param, c10::Device device)>;
+// parameter, all of a module's in one collective, as the all-gathers), and with
+// policy.error_feedback carries each parameter's residual (FSDPParam::residual_on; the
+// fused input carries its parameters' residuals, copied in and back out); `dropped_blocks`
+// counts the blocks whose residual was dropped (quantized_collectives.h).
 ReduceScatterResult reduce_scatter_grads(const std::vector<FSDPParam*>& params,
                                          std::vector<at::Tensor> grads,
                                          c10::ScalarType reduce_dtype, const Group& group,
                                          double divide_before, const CommFusion& fusion,
-                                         const CommPolicy& policy, const ResidualOf& residual_of,
-                                         const at::Tensor& dropped_blocks, bool keep_grads,
-                                         ReduceBufferStats& stats);
+                                         const CommPolicy& policy, const at::Tensor& dropped_blocks,
+                                         bool keep_grads, ReduceBufferStats& stats);
 
 // Waits for every handle, ignoring their errors: called while another error propagates,
 // before dropping buffers that collectives already issued still write into.

@@ -362,4 +362,26 @@ void FSDPParam::zero_grad() {
   grad_is_partial_ = false;
 }
 
+const at::Tensor& FSDPParam::residual_on(c10::Device device) {
+  if (!residual_.defined()) {
+    residual_ = at::zeros(residual_shape(), at::dtype(at::kFloat).device(device));
+  } else if (residual_.device() != device) {
+    residual_ = residual_.to(device);
+  }
+  return residual_;
+}
+
+void FSDPParam::set_residual(const at::Tensor& residual) {
+  if (!residual.defined()) {
+    residual_ = at::Tensor();
+    return;
+  }
+  const std::vector<int64_t> shape = residual_shape();
+  TORCH_CHECK_VALUE(
+      residual.sizes() == c10::IntArrayRef(shape) && residual.scalar_type() == at::kFloat,
+      "the error-feedback residual of '", name_, "' is fp32 of shape ", c10::IntArrayRef(shape),
+      ", got ", residual.scalar_type(), " of shape ", residual.sizes());
+  residual_ = residual.contiguous();
+}
+
 }  // namespace hp::detail

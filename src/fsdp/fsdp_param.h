@@ -161,6 +161,19 @@ class FSDPParam {
   at::Tensor sharded_grad_or_undefined() { return sharded_grad(); }
   void zero_grad();
 
+  // --- error feedback (CommPolicy::error_feedback) --------------------------------
+  // What this rank's quantized reduce-scatters of the gradient have not carried yet: fp32
+  // [shards x padded_numel], rank-major like reduce_scatter_input(), kept from one
+  // reduction to the next. Undefined before the first reduction and without error feedback.
+  const at::Tensor& residual() const { return residual_; }
+  std::vector<int64_t> residual_shape() const { return {layout_.shards, layout_.padded_numel}; }
+  // The residual the next reduction carries, on `device`: zeros when there is none yet; one
+  // loaded from a checkpoint moves there.
+  const at::Tensor& residual_on(c10::Device device);
+  // Replaces it (undefined: zeros at the next reduction). Throws c10::ValueError for another
+  // shape or dtype.
+  void set_residual(const at::Tensor& residual);
+
  private:
   // Whether unsharding needs no buffer of its own: one shard rank that does not
   // communicate, no cast, no move.
@@ -206,6 +219,7 @@ class FSDPParam {
   // accumulates an unsharded gradient into the variable).
   at::Tensor stashed_sharded_grad_;
   at::Tensor& sharded_grad();
+  at::Tensor residual_;
 };
 
 // The whole tensor from every rank's `padded` [padded_numel] part of `p` over its shard

@@ -270,15 +270,6 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
   c10::OptionalStreamGuard on_lane = streams_->enter(Lane::kReduceScatter, /*after_compute=*/true);
   trace::record(trace::Kind::kIssue, "reduce_scatter", label_);
   const int64_t sent_before = detail::wire_bytes_sent_by_this_thread();
-  const auto residual_of = [this](const FSDPParam& param, c10::Device device) {
-    at::Tensor& residual = residuals_[&param];
-    if (!residual.defined()) {
-      residual = at::zeros(residual_shape(param), at::dtype(at::kFloat).device(device));
-    } else if (residual.device() != device) {  // loaded from a checkpoint
-      residual = residual.to(device);
-    }
-    return residual;
-  };
   if (comm_policy_.error_feedback &&
       (!dropped_residual_blocks_.defined() ||
        dropped_residual_blocks_.device() != grads.front().device())) {
@@ -287,10 +278,10 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
             ? dropped_residual_blocks_.to(grads.front().device())
             : at::zeros({}, at::dtype(at::kLong).device(grads.front().device()));
   }
-  r.scatter = reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
-                                   divide.before, comm_fusion_, comm_policy_, residual_of,
-                                   dropped_residual_blocks_,
-                                   /*keep_grads=*/streams_->active(), stats_);
+  r.scatter =
+      reduce_scatter_grads(r.params, std::move(grads), dtype, *mesh_info_.shard_reduce,
+                           divide.before, comm_fusion_, comm_policy_, dropped_residual_blocks_,
+                           /*keep_grads=*/streams_->active(), stats_);
   trace::record_bytes("reduce_scatter", label_,
                       detail::wire_bytes_sent_by_this_thread() - sent_before);
   // Dividing before the all-reduce keeps partial (not all-reduced) gradients on the
@@ -299,38 +290,23 @@ void FSDPParamGroup::issue_reduce(const ReduceSettings& settings) {
       Lane::kReduceScatter, divided_when_done(r.scatter.handle, r.scatter.buffer, divide.after));
 }
 
-std::vector<int64_t> FSDPParamGroup::residual_shape(const FSDPParam& param) const {
-  return {mesh_info_.shard_reduce->size(), param.layout().padded_numel};
-}
-
-at::Tensor FSDPParamGroup::residual(const FSDPParam& param) const {
-  const auto it = residuals_.find(&param);
-  return it == residuals_.end() ? at::Tensor() : it->second;
-}
-
-void FSDPParamGroup::set_residual(const FSDPParam& param, at::Tensor residual) {
-  TORCH_CHECK_VALUE(comm_policy_.error_feedback, "fully_shard module '", label_,
-                    "' keeps no error-feedback residual (CommPolicy::error_feedback is off)");
-  const std::vector<int64_t> shape = residual_shape(param);
-  if (!residual.defined()) {
-    residuals_.erase(&param);
-    return;
-  }
-  TORCH_CHECK_VALUE(
-      residual.sizes() == c10::IntArrayRef(shape) && residual.scalar_type() == at::kFloat,
-      "the error-feedback residual of '", param.name(), "' is fp32 of shape ",
-      c10::IntArrayRef(shape), ", got ", residual.scalar_type(), " of shape ", residual.sizes());
-  residuals_[&param] = residual.contiguous();
+void FSDPParamGroup::set_residual(FSDPParam& param, const at::Tensor& residual) {
+  check_error_feedback();
+  param.set_residual(residual);
 }
 
 int64_t FSDPParamGroup::dropped_residual_blocks() const {
   return dropped_residual_blocks_.defined() ? dropped_residual_blocks_.item<int64_t>() : 0;
 }
 
-void FSDPParamGroup::reset_error_feedback() {
+void FSDPParamGroup::check_error_feedback() const {
   TORCH_CHECK_VALUE(comm_policy_.error_feedback, "fully_shard module '", label_,
                     "' keeps no error-feedback residual (CommPolicy::error_feedback is off)");
-  residuals_.clear();
+}
+
+void FSDPParamGroup::reset_error_feedback() {
+  check_error_feedback();
+  for (auto& param : params_) param->set_residual({});
   dropped_residual_blocks_ = at::Tensor();
 }
 

@@ -9,7 +9,6 @@
 // the first wait(), never earlier.
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -121,16 +120,13 @@ class FSDPParamGroup {
   const ReduceBufferStats& reduce_buffer_stats() const { return stats_; }
 
   // --- error feedback (CommPolicy::error_feedback) ------------------------------------
-  // What this rank's quantized reduce-scatters of `param`'s gradient have not carried
-  // yet: fp32, residual_shape(param), rank-major like the reduce-scatter input. Undefined
-  // before the first reduction (zeros then) and without error feedback.
+  // Each parameter keeps its own residual (FSDPParam::residual), so that it does not
+  // depend on which parameters a reduction fuses; the group holds the policy and the
+  // count of dropped blocks.
   bool error_feedback() const { return comm_policy_.error_feedback; }
-  std::vector<int64_t> residual_shape(const FSDPParam& param) const;
-  at::Tensor residual(const FSDPParam& param) const;
-  // Replaces it (from a checkpoint; undefined: zeros). It moves to the gradients' device
-  // at the next reduction. Throws c10::ValueError for another shape or dtype, or without
-  // error feedback.
-  void set_residual(const FSDPParam& param, at::Tensor residual);
+  // Replaces `param`'s residual (from a checkpoint; undefined: zeros). Throws
+  // c10::ValueError for another shape or dtype, or without error feedback.
+  void set_residual(FSDPParam& param, const at::Tensor& residual);
   // The blocks whose residual was dropped since the last reset (a non-finite gradient
   // block cannot be carried; quantized_collectives.h). Reads the device's counter.
   int64_t dropped_residual_blocks() const;
@@ -147,6 +143,8 @@ class FSDPParamGroup {
   // all-gather lane once compute is done reading it.
   void install_sharded();
   void start_replicated_reduce(const ReduceSettings& settings);
+  // Throws c10::ValueError naming the module when it keeps no error-feedback residuals.
+  void check_error_feedback() const;
 
   struct PendingReduce {
     ReduceSettings settings;
@@ -167,7 +165,6 @@ class FSDPParamGroup {
   FSDPMeshInfo mesh_info_;
   CommFusion comm_fusion_;
   CommPolicy comm_policy_;
-  std::map<const FSDPParam*, at::Tensor> residuals_;  // error feedback, made when first used
   at::Tensor dropped_residual_blocks_;  // int64 scalar on the gradients' device, when made
   std::string label_ = "module";
   State state_ = State::kSharded;

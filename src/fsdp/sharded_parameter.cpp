@@ -73,13 +73,10 @@ void ShardedParameter::set_local(const at::Tensor& local) const {
   param_->load_local(local);
 }
 
-at::Tensor ShardedParameter::error_feedback_residual() const {
-  return state_->param_group().residual(*param_);
-}
+at::Tensor ShardedParameter::error_feedback_residual() const { return param_->residual(); }
 
 std::vector<int64_t> ShardedParameter::error_feedback_residual_shape() const {
-  const detail::FSDPParamGroup& group = state_->param_group();
-  return group.error_feedback() ? group.residual_shape(*param_) : std::vector<int64_t>();
+  return state_->param_group().error_feedback() ? param_->residual_shape() : std::vector<int64_t>();
 }
 
 void ShardedParameter::set_error_feedback_residual(const at::Tensor& residual) const {
