@@ -20,12 +20,12 @@ build: configure
 
 # The demo's corpus: this repository's own docs and sources (validation: each file's end).
 DEMO_DATA := --data README.md --data docs --data src --data include --data models \
-             --data examples --data tests
+             --data examples --data trainer --data tests
 
 # Builds only what it runs: the library, hp-run and the trainer.
 demo: configure
 	$(RUN) cmake --build $(BUILD) -j $(JOBS) --target hp-run train_decoder
-	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/examples/train_decoder $(DEMO_DATA) \
+	$(RUN) $(BUILD)/hp-run -n 4 --timeout 600 -- $(BUILD)/trainer/train_decoder $(DEMO_DATA) \
 	    --out $(BUILD)/demo --require-learning $(DEMO_ARGS)
 
 test: build

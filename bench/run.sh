@@ -83,7 +83,7 @@ for s in ${SECTIONS//,/ }; do  # every section but pipeline and recompute runs h
 done
 selected pipeline && needed+=("$PIPELINE_BENCH")
 selected recompute && needed+=("$RECOMPUTE_BENCH")
-selected codecs && needed+=("$BUILD/examples/train_decoder")
+selected codecs && needed+=("$BUILD/trainer/train_decoder")
 for f in "${needed[@]}"; do
   [ -x "$f" ] || { echo "bench/run.sh: $f missing; run 'make build' first" >&2; exit 1; }
 done
@@ -341,7 +341,7 @@ section_codecs() {
       rm -rf "$dir"
       mkdir -p "$dir"
       start=$SECONDS
-      "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/examples/train_decoder" "${data[@]}" \
+      "$BUILD/hp-run" -n 4 --timeout 900 -- "$BUILD/trainer/train_decoder" "${data[@]}" \
         --mesh 1x4 --seed "$seed" --eval-batches "$WHOLE_SPLIT" --out "$dir" "${flags[@]}" \
         >"$dir/log.txt" 2>&1
       rc=$?

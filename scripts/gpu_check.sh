@@ -142,7 +142,7 @@ fi
 
 if [ $quick = 0 ]; then
   step "trainer on one GPU rank, 500 steps"
-  "${hp_run[@]}" "$build/examples/train_decoder" --mesh 1x1 --data README.md --data docs \
+  "${hp_run[@]}" "$build/trainer/train_decoder" --mesh 1x1 --data README.md --data docs \
     --log-every 100 --out "$build/gpu_demo" --require-learning ||
     failed "the trainer failed or did not learn"
 
@@ -172,7 +172,7 @@ PY
   [ "$(wc -l <"$build/step_time.jsonl")" -eq 8 ] || failed "a benchmark variant is missing"
 
   step "trace of one trainer step on the GPU (CUDA-event times)"
-  "${hp_run[@]}" "$build/examples/train_decoder" --mesh 1x1 --data README.md --data docs \
+  "${hp_run[@]}" "$build/trainer/train_decoder" --mesh 1x1 --data README.md --data docs \
     --steps 100 --trace "$build/gpu_trace" --out "$build/gpu_trace_run" | tail -1 &&
     ls -l "$build/gpu_trace" || failed "the traced trainer run"
 fi

@@ -14,7 +14,7 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # -O1: fast enough to build and to run; -g1: line numbers in the reports; asserts stay on.
 $run cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DHP_SANITIZE=address,undefined \
-  -DHP_BUILD_EXAMPLES=OFF -DHP_BUILD_BENCH=OFF "${launcher[@]}"
+  -DHP_BUILD_EXAMPLES=OFF -DHP_BUILD_TRAINER=OFF -DHP_BUILD_BENCH=OFF "${launcher[@]}"
 $run cmake --build "$build" -j "$jobs" --target sanitize_tests
 
 # Inherited by every rank the tests launch (the harness and hp-run pass the environment on).

@@ -6,7 +6,7 @@ with Debian 13's python3-torch 2.6 (built without libuv) it stops at "use_libuv 
 requested but PyTorch was build without libuv support". This runs the unchanged torchrun
 with the store's libuv off where libuv is missing; elsewhere it is plain torchrun.
 
-    python3 tools/torchrun.py --nproc-per-node 2 --no-python build/examples/train_decoder ...
+    python3 tools/torchrun.py --nproc-per-node 2 --no-python build/trainer/train_decoder ...
 """
 import sys
 

@@ -1,4 +1,4 @@
-#include "examples/trainer/loss_curve.h"
+#include "trainer/loss_curve.h"
 
 #include <algorithm>
 #include <cmath>

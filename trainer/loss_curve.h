@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "examples/trainer/metrics_log.h"
+#include "trainer/metrics_log.h"
 
 namespace hp::trainer {
 

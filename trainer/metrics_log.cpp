@@ -1,4 +1,4 @@
-#include "examples/trainer/metrics_log.h"
+#include "trainer/metrics_log.h"
 
 #include <cmath>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "examples/trainer/parallel_layout.h"
+#include "trainer/parallel_layout.h"
 
 #include <stdexcept>
 #include <string>

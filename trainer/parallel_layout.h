@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "examples/trainer/train_options.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/mesh.h"
 #include "models/transformer.h"
+#include "trainer/train_options.h"
 
 namespace hp::trainer {
 

@@ -1,4 +1,4 @@
-#include "examples/trainer/pipeline_stages.h"
+#include "trainer/pipeline_stages.h"
 
 #include <ATen/ATen.h>
 

@@ -18,12 +18,12 @@
 #include <memory>
 #include <vector>
 
-#include "examples/trainer/parallel_layout.h"
-#include "examples/trainer/text_batches.h"
-#include "examples/trainer/train_options.h"
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/pipeline.h"
 #include "models/transformer.h"
+#include "trainer/parallel_layout.h"
+#include "trainer/text_batches.h"
+#include "trainer/train_options.h"
 
 namespace hp::trainer {
 

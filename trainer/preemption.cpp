@@ -1,4 +1,4 @@
-#include "examples/trainer/preemption.h"
+#include "trainer/preemption.h"
 
 #include <ATen/ATen.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include "examples/trainer/text_batches.h"
+#include "trainer/text_batches.h"
 
 #include <stdexcept>
 #include <string>

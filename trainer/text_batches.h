@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "examples/trainer/text_corpus.h"
+#include "trainer/text_corpus.h"
 
 namespace hp::trainer {
 

@@ -1,4 +1,4 @@
-#include "examples/trainer/text_corpus.h"
+#include "trainer/text_corpus.h"
 
 #include <algorithm>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "examples/trainer/toml_config.h"
+#include "trainer/toml_config.h"
 
 #include <toml++/toml.h>
 

@@ -1,4 +1,4 @@
-#include "examples/trainer/train_options.h"
+#include "trainer/train_options.h"
 
 #include <CLI/CLI.hpp>
 #include <charconv>
@@ -7,7 +7,7 @@
 #include <memory>
 #include <sstream>
 
-#include "examples/trainer/toml_config.h"
+#include "trainer/toml_config.h"
 
 namespace hp::trainer {
 

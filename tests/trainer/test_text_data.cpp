@@ -12,8 +12,8 @@
 #include <set>
 
 #include "error_of.h"
-#include "examples/trainer/text_batches.h"
-#include "examples/trainer/text_corpus.h"
+#include "trainer/text_batches.h"
+#include "trainer/text_corpus.h"
 
 namespace hp::trainer {
 namespace {

@@ -1,4 +1,4 @@
-// The trainer (examples/train_decoder) as a user runs it, on a frozen copy of this
+// The trainer (trainer/train_decoder) as a user runs it, on a frozen copy of this
 // repository's docs (tests/data/corpus): a
 // short run learns below the unigram baseline and writes a metrics file and a loss curve
 // that agree with what it printed; under hp-run's restarts, a run whose ranks are killed
