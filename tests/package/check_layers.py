@@ -9,7 +9,7 @@ import sys
 
 # Lowest first; docs/architecture.md explains each.
 LAYERS = ["distributed", "trace", "deferred_init", "recompute", "activation_swap", "fsdp", "parallel",
-          "materialize", "checkpoint", "clip_grad"]
+          "materialize", "checkpoint", "clip_grad", "optim"]
 # The folder implementing each public header.
 PUBLIC = {
     "process_group": "distributed", "comm_handle": "distributed", "collectives": "distributed",
@@ -22,6 +22,7 @@ PUBLIC = {
     "tensor_parallel": "parallel", "context_parallel": "parallel", "expert_parallel": "parallel",
     "pipeline": "parallel", "materialize": "materialize", "state_dict": "checkpoint",
     "sharded_checkpoint": "checkpoint", "async_checkpoint": "checkpoint", "clip_grad": "clip_grad",
+    "fused_optimizers": "optim",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
