@@ -1,17 +1,19 @@
 // Tensor, context, expert and pipeline parallelism composed with fully_shard on one
 // named mesh, as docs/api.md describes them. On 4 ranks, 2 data-parallel x 2 of each
-// kind: the decoder of models/transformer.h trained a few AdamW steps with tp, cp and ep
+// kind: the decoder of models/transformer.h trained a few SGD steps with tp, cp and ep
 // (an MLP cut into stages for the pipeline), each against the same model trained on one
-// process with the whole batch. Exits 1 unless every step's loss matches the reference.
-// Run with: hp-run -n 4 -- build/examples/guide/parallel_composition
+// process with the whole batch. Exits 1 unless every step's loss and gradient norm match the
+// reference. Run with: hp-run -n 4 -- build/examples/guide/parallel_composition
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "hyperparallel/clip_grad.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/context_parallel.h"
 #include "hyperparallel/fully_shard.h"
@@ -24,6 +26,7 @@ using hp::models::Transformer;
 using hp::models::TransformerConfig;
 
 constexpr int64_t kVocab = 64, kSeq = 16, kGlobalBatch = 4, kSteps = 3;
+constexpr double kLearningRate = 0.1, kNoClipping = 1e9;
 
 TransformerConfig small_decoder() {
   return {.vocab = kVocab, .dim = 32, .heads = 4, .layers = 2, .ffn_hidden = 64, .max_seq = kSeq};
@@ -51,25 +54,28 @@ double mean_over(const at::Tensor& loss, const hp::GroupPtr& ranks) {
   return mean.item<double>();
 }
 
-// kSteps AdamW steps; loss_of(step) is this rank's loss of that step's batch. Returns the
-// losses averaged over `ranks`.
+// kSteps SGD steps (not Adam, whose steps would hide a gradient off by a constant factor);
+// loss_of(step) is this rank's loss of that step's batch. Returns each step's loss averaged
+// over `ranks`, then the norm of the whole gradients (slices and shards put together).
 std::vector<double> train(torch::nn::Module& model,
                           const std::function<at::Tensor(int64_t)>& loss_of,
                           const hp::GroupPtr& ranks = nullptr) {
-  torch::optim::AdamW optimizer(model.parameters(), torch::optim::AdamWOptions(1e-2));
-  std::vector<double> losses;
+  torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(kLearningRate));
+  std::vector<double> values;
   for (int64_t step = 0; step < kSteps; ++step) {
     optimizer.zero_grad();
     at::Tensor loss = loss_of(step);
     loss.backward();
+    const double grad_norm = hp::clip_grad_norm_(model.parameters(), kNoClipping);
     optimizer.step();
-    losses.push_back(mean_over(loss, ranks));
+    values.push_back(mean_over(loss, ranks));
+    values.push_back(grad_norm);
   }
-  return losses;
+  return values;
 }
 
 // The decoder on one process, from the same seed, on the whole batch.
-std::vector<double> reference_losses(const TransformerConfig& config) {
+std::vector<double> reference_values(const TransformerConfig& config) {
   torch::manual_seed(0);
   Transformer model(config);
   return train(*model, [&](int64_t step) {
@@ -79,7 +85,7 @@ std::vector<double> reference_losses(const TransformerConfig& config) {
 }
 
 // 2 data-parallel shards x 2 tensor-parallel ranks.
-std::vector<double> tensor_parallel_losses(const std::shared_ptr<hp::World>& world) {
+std::vector<double> tensor_parallel_values(const std::shared_ptr<hp::World>& world) {
   hp::DeviceMesh mesh(world, {{"dp_shard", 2}, {"tp", 2}});
   TransformerConfig config = small_decoder();
   config.tensor_parallel = mesh.group("tp");  // heads, FFN units and vocabulary split
@@ -103,7 +109,7 @@ std::vector<double> tensor_parallel_losses(const std::shared_ptr<hp::World>& wor
 }
 
 // 2 data-parallel shards x 2 context-parallel ranks, fully_shard-ed over all 4.
-std::vector<double> context_parallel_losses(const std::shared_ptr<hp::World>& world) {
+std::vector<double> context_parallel_values(const std::shared_ptr<hp::World>& world) {
   hp::DeviceMesh mesh(world, {{"dp_shard", 2}, {"cp", 2}});
   mesh.flatten({"dp_shard", "cp"}, "dp_shard_cp");  // the model is replicated over cp
   const hp::DeviceMesh fsdp_mesh = mesh.slice({"dp_shard_cp"});
@@ -128,7 +134,7 @@ std::vector<double> context_parallel_losses(const std::shared_ptr<hp::World>& wo
 
 // Experts over 2 ep ranks, each expert fully_shard-ed over the 2 ranks orthogonal to ep;
 // the dense parameters over all 4.
-std::vector<double> expert_parallel_losses(const std::shared_ptr<hp::World>& world,
+std::vector<double> expert_parallel_values(const std::shared_ptr<hp::World>& world,
                                            const TransformerConfig& moe_decoder) {
   hp::DeviceMesh mesh(world, {{"dp_shard", 2}, {"ep", 2}});
   mesh.flatten({"dp_shard", "ep"}, "dp_shard_ep");  // all data ranks
@@ -179,7 +185,7 @@ std::pair<at::Tensor, at::Tensor> regression_batch(int64_t step) {
 }
 
 // The MLP on one process, from the same seed, on the whole batch.
-std::vector<double> reference_pipeline_losses() {
+std::vector<double> reference_pipeline_values() {
   std::vector<Stage> stages = whole_mlp();
   torch::nn::Sequential mlp;
   for (auto& stage : stages) mlp->push_back(stage);
@@ -191,8 +197,8 @@ std::vector<double> reference_pipeline_losses() {
 
 // 2 pipeline ranks x 2 data-parallel shards; each rank holds 2 chunks of the 4-stage MLP
 // (interleaved: chunk v of pipeline rank r is stage 2v + r). Losses on the last stage's
-// ranks, empty on the others.
-std::vector<double> pipeline_losses(const std::shared_ptr<hp::World>& world) {
+// ranks (with the gradient norm), empty on the others.
+std::vector<double> pipeline_values(const std::shared_ptr<hp::World>& world) {
   hp::DeviceMesh mesh(world, {{"pp", 2}, {"dp_shard", 2}});
   const int64_t r = mesh.coordinate("pp");
   std::vector<Stage> stages = whole_mlp();
@@ -212,26 +218,35 @@ std::vector<double> pipeline_losses(const std::shared_ptr<hp::World>& world) {
 
   const bool first = r == 0, last = r == 1;
   const int64_t shard = mesh.coordinate("dp_shard");  // this rank's rows of each batch
-  torch::optim::AdamW optimizer(held, torch::optim::AdamWOptions(1e-2));
-  std::vector<double> losses;
+  torch::optim::SGD optimizer(held, torch::optim::SGDOptions(kLearningRate));
+  std::vector<double> values;
   for (int64_t step = 0; step < kSteps; ++step) {
     auto [input, target] = regression_batch(step);
     optimizer.zero_grad();
     const hp::PipelineStepResult result =  // forward and backward of every microbatch
         schedule.step(first ? input.chunk(2, 0)[shard] : at::Tensor(),
                       last ? target.chunk(2, 0)[shard] : at::Tensor());
+    // The whole gradients' norm: this rank's stages', then over the pipeline.
+    at::Tensor squares = torch::tensor(std::pow(hp::clip_grad_norm_(held, kNoClipping), 2));
+    hp::all_reduce(squares, hp::ReduceOp::kSum, *mesh.group("pp")).wait();
     optimizer.step();
-    if (last) losses.push_back(mean_over(result.loss, mesh.group("dp_shard")));
+    if (last) {
+      values.push_back(mean_over(result.loss, mesh.group("dp_shard")));
+      values.push_back(std::sqrt(squares.item<double>()));
+    }
   }
-  return losses;
+  return values;
 }
 
-// Whether every step's loss is the reference's, within fp32 reordering.
+// Whether every step's loss and gradient norm are the reference's, within fp32 reordering.
 bool matches(const char* what, const std::vector<double>& got, const std::vector<double>& want) {
   bool same = got.size() == want.size();
-  for (size_t i = 0; same && i < got.size(); ++i) same = std::abs(got[i] - want[i]) <= 1e-4;
-  for (size_t i = 0; i < got.size() && !same; ++i)
-    std::printf("%s step %zu: loss %.6f, reference %.6f\n", what, i, got[i], want[i]);
+  for (size_t i = 0; same && i < got.size(); ++i)
+    same = std::abs(got[i] - want[i]) <= 1e-5 * std::max(1.0, std::abs(want[i]));
+  for (size_t i = 0; i + 1 < got.size() && !same; i += 2) {
+    std::printf("%s step %zu: loss %.6f, grad norm %.6f; reference %.6f, %.6f\n", what, i / 2,
+                got[i], got[i + 1], want[i], want[i + 1]);
+  }
   return same;
 }
 
@@ -243,12 +258,12 @@ int main() {
   TransformerConfig moe_decoder = small_decoder();
   moe_decoder.moe = {.layers = {1}, .num_experts = 4, .top_k = 2, .expert_hidden = 64};
 
-  bool ok = matches("tp", tensor_parallel_losses(world), reference_losses(small_decoder()));
-  ok = matches("cp", context_parallel_losses(world), reference_losses(small_decoder())) && ok;
-  ok = matches("ep", expert_parallel_losses(world, moe_decoder), reference_losses(moe_decoder)) &&
+  bool ok = matches("tp", tensor_parallel_values(world), reference_values(small_decoder()));
+  ok = matches("cp", context_parallel_values(world), reference_values(small_decoder())) && ok;
+  ok = matches("ep", expert_parallel_values(world, moe_decoder), reference_values(moe_decoder)) &&
        ok;
-  const std::vector<double> pipelined = pipeline_losses(world);
-  if (!pipelined.empty()) ok = matches("pp", pipelined, reference_pipeline_losses()) && ok;
+  const std::vector<double> pipelined = pipeline_values(world);
+  if (!pipelined.empty()) ok = matches("pp", pipelined, reference_pipeline_values()) && ok;
 
   at::Tensor all_ok = torch::tensor(ok ? 1.0f : 0.0f);  // the pipeline's losses are on 2 ranks
   hp::all_reduce(all_ok, hp::ReduceOp::kMin, *world->world_group()).wait();
