@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <vector>
 
 #include "hyperparallel/fully_shard.h"
 #include "hyperparallel/process_group.h"
@@ -27,18 +28,17 @@ int main() {
   torch::optim::AdamW optimizer(net->parameters(), 1e-3);  // on the shards
 
   const at::Tensor batch = torch::randn({8, 64});
-  float first = 0, last = 0;
+  std::vector<float> losses;
   for (int step = 0; step < 10; ++step) {
     optimizer.zero_grad();
     at::Tensor loss = net(batch).square().mean();
     loss.backward();  // gradients reduce-scattered to the shards
     optimizer.step();
-    last = loss.item<float>();
-    if (step == 0) first = last;
+    losses.push_back(loss.item<float>());
   }
   if (hp::default_world()->rank() == 0) {
-    std::printf("loss %.4f -> %.4f over 10 steps on %lld ranks\n", first, last,
+    std::printf("loss %.4f -> %.4f over 10 steps on %lld ranks\n", losses.front(), losses.back(),
                 static_cast<long long>(hp::default_world()->size()));
   }
-  return last < first ? 0 : 1;
+  return losses.back() < losses.front() ? 0 : 1;
 }
