@@ -15,6 +15,7 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/fused_optimizers.h"
 #include "hyperparallel/materialize.h"
 #include "hyperparallel/process_group.h"
 #include "hyperparallel/sharded_checkpoint.h"
@@ -87,7 +88,8 @@ int main(int argc, char** argv) {
              "deferred init + materialize == eager construction") &&
        ok;
 
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  // One fused kernel per device and dtype; state and checkpoints as torch::optim::AdamW.
+  hp::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
   hp::AsyncCheckpointSaver saver;
   for (int64_t step = 0; step < 2; ++step) {
     train_step(model, optimizer, step, *world);
@@ -107,7 +109,7 @@ int main(int argc, char** argv) {
   // again; loading the checkpoint gives it its values instead of materialize().
   auto resumed = hp::deferred_init([] { return hp::Sharded<Transformer>(small_decoder()); });
   shard(resumed, hp::DeviceMesh(world, {{"dp_replicate", 2}, {"dp_shard", world->size() / 2}}));
-  torch::optim::AdamW resumed_optimizer(resumed->parameters(), torch::optim::AdamWOptions(1e-2));
+  hp::FusedAdamW resumed_optimizer(resumed->parameters(), torch::optim::AdamWOptions(1e-2));
   const std::optional<std::string> latest = hp::latest_checkpoint(root);
   TORCH_CHECK(latest, "no complete checkpoint under ", root);
   const hp::StateDict extra = hp::load_sharded_checkpoint(*latest, *resumed, &resumed_optimizer);
