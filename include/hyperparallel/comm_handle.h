@@ -20,7 +20,7 @@ class Work;
 
 namespace hp {
 
-// How a collective fails (Group::on_failure makes it).
+// How a collective fails (the library's collectives make it for their group).
 struct CommFailure {
   // Turns the backend's message into the error wait() throws (unset: the message as is),
   // e.g. one naming the operation and the ranks that did not reach it.

@@ -5,6 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "../distributed/group_access.h"
 #include "../distributed/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/quantized_collectives.h"
@@ -54,10 +55,10 @@ at::Tensor bucket_rows(const at::Tensor& flat, const FusionBucket& bucket, int64
 // the group before it propagates.
 template <typename Issue>
 CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) {
-  if (!group.communicates() || !group.backend(device).supportsCoalescing()) {
+  if (!group.communicates() || !GroupAccess::backend(group, device).supportsCoalescing()) {
     return CommHandle::after(issue(), {});
   }
-  c10d::Backend* backend = &group.backend(device);
+  c10d::Backend* backend = &GroupAccess::backend(group, device);
   backend->startCoalescing();
   std::vector<CommHandle> parts;
   try {
@@ -69,8 +70,9 @@ CommHandle coalesced(const Group& group, c10::DeviceType device, Issue&& issue) 
     }
     throw;
   }
-  parts.push_back(CommHandle::from_work(backend->endCoalescing(), {},
-                                        group.on_failure("coalesced collectives", *backend)));
+  parts.push_back(
+      CommHandle::from_work(backend->endCoalescing(), {},
+                            GroupAccess::on_failure(group, "coalesced collectives", *backend)));
   return CommHandle::after(std::move(parts), {});
 }
 
