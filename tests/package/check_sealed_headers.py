@@ -54,6 +54,10 @@ class Scope:
         self.in_detail = in_detail
         self.access = access
 
+    def shows(self) -> bool:
+        """Whether users see what is declared here at this point."""
+        return self.exposed and (self.kind == "namespace" or self.access != "private")
+
 
 def breaches(header: pathlib.Path, code: str) -> list:
     """The declarations of `code` that expose detail:: or define into namespace detail."""
@@ -67,8 +71,7 @@ def breaches(header: pathlib.Path, code: str) -> list:
         scope = scopes[-1]
         if not declaration or scope.kind == "body" or declaration.startswith("friend "):
             return
-        visible = scope.exposed and (scope.kind == "namespace" or scope.access != "private")
-        if visible and re.search(r"\bdetail::", declaration):
+        if scope.shows() and re.search(r"\bdetail::", declaration):
             found.append(f"{header}:{line}: names a detail:: type in a public declaration: "
                          f"{declaration}")
         forward = not opens_braces and FORWARD_DECLARATION.match(declaration)
@@ -77,9 +80,7 @@ def breaches(header: pathlib.Path, code: str) -> list:
             found.append(f"{header}:{line}: defines in namespace detail outside "
                          f"include/hyperparallel/detail/: {declaration}")
 
-    i = 0
-    while i < len(code):
-        char = code[i]
+    for i, char in enumerate(code):
         if not statement.strip() and not char.isspace():
             start = code.count("\n", 0, i) + 1
         if char in "([":
@@ -92,7 +93,7 @@ def breaches(header: pathlib.Path, code: str) -> list:
             check(statement, start, opens_braces=True)
             head = without_template_head(" ".join(statement.split()))
             scope = scopes[-1]
-            visible = scope.exposed and (scope.kind == "namespace" or scope.access != "private")
+            visible = scope.shows()
             namespace = re.match(r"^(inline\s+)?namespace\b\s*([\w:]*)", head)
             if scope.kind == "body":
                 scopes.append(Scope("body", False, scope.in_detail))
@@ -120,7 +121,6 @@ def breaches(header: pathlib.Path, code: str) -> list:
             statement = ""
         else:
             statement += char
-        i += 1
     return found
 
 
