@@ -85,6 +85,7 @@
 #include "hyperparallel/sharded_checkpoint.h"
 #include "hyperparallel/trace.h"
 #include "models/transformer.h"
+#include "src/distributed/group_access.h"
 
 namespace {
 
@@ -307,8 +308,8 @@ std::function<std::array<double, 2>()> comm_only_step(torch::nn::Module& model,
     if (!gloo_reduce_scatter || shard->size() == 1) {
       return hp::reduce_scatter(out, in, hp::ReduceOp::kSum, *shard);
     }
-    return hp::CommHandle::from_work(
-        shard->backend(c10::DeviceType::CPU)._reduce_scatter_base(out, in, {}));
+    return hp::CommHandle::from_work(hp::detail::GroupAccess::backend(*shard, c10::DeviceType::CPU)
+                                         ._reduce_scatter_base(out, in, {}));
   };
   auto reduce = [reduce_scatter, replicate, w, shard_numel, module_numel, shard, fused,
                  quantized = quantized_reduce, policy](const std::vector<at::Tensor>& params) {

@@ -20,7 +20,11 @@ class Work;
 
 namespace hp {
 
-// How a collective fails (Group::on_failure makes it).
+namespace detail {
+struct CommHandleAccess;
+}  // namespace detail
+
+// How a collective fails (the library's collectives make it for their group).
 struct CommFailure {
   // Turns the backend's message into the error wait() throws (unset: the message as is),
   // e.g. one naming the operation and the ranks that did not reach it.
@@ -61,12 +65,12 @@ class CommHandle {
   // True until wait() has run to its end: there is work or a callback still to consume.
   bool pending() const;
 
+ private:
+  friend struct detail::CommHandleAccess;  // tests ask has_work() (tests/support)
+  struct State;
   // True while the handle stands for an actual collective not yet waited for (not a
   // no-op or deferred one).
   bool has_work() const;
-
- private:
-  struct State;
   // Waits for the work, by the failure deadline when there is one.
   void wait_for_work();
   // Marks the handle done and returns the callback it had, not yet run.

@@ -36,28 +36,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include <memory>
 #include <utility>
 
+#include "hyperparallel/detail/deferred_init_recording.h"
+
 namespace hp {
-
-namespace detail {
-
-// Records this thread's tensor operations while alive; nests (an inner one adds to the
-// outer record). Use deferred_init rather than this.
-class DeferredInitRecording {
- public:
-  DeferredInitRecording();
-  ~DeferredInitRecording();
-  DeferredInitRecording(const DeferredInitRecording&) = delete;
-  DeferredInitRecording& operator=(const DeferredInitRecording&) = delete;
-
- private:
-  struct State;
-  std::unique_ptr<State> state_;  // null when nested in another recording
-};
-
-}  // namespace detail
 
 // Runs construct() with recording on and returns its result (e.g. a module holder). No
 // memory is allocated for the tensors it makes; they are deferred meta tensors.

@@ -19,8 +19,6 @@
 #include <tuple>
 #include <vector>
 
-#include "hyperparallel/comm_handle.h"
-
 namespace c10d {
 class Backend;
 class Store;
@@ -30,6 +28,10 @@ namespace hp {
 
 class DeviceMesh;
 struct LaunchEnv;
+
+namespace detail {
+struct GroupAccess;
+}  // namespace detail
 
 // Made by World::new_group (and a DeviceMesh's dims).
 class Group {
@@ -52,29 +54,15 @@ class Group {
   // and groups of one on a World with WorldOptions::one_rank_groups_communicate.
   bool communicates() const { return size() > 1 || cpu_backend_ || cuda_backend_; }
 
-  // The backend for tensors on `device_type`: Gloo for CPU, NCCL for CUDA (when built
-  // with CUDA). Throws for groups that do not communicate() and for devices it has none
-  // for.
-  c10d::Backend& backend(c10::DeviceType device_type) const;
-
   // How long its collectives wait for the other members: the World's timeout.
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // Counts a collective issued on this group on `backend` (every member issues the same
-  // ones in the same order) and returns how it fails: an error naming the operation, the
-  // group and the members that did not reach it; on Gloo also past timeout() from now,
-  // also when it waited in the backend's queue behind another collective.
-  CommFailure on_failure(std::string operation, const c10d::Backend& backend) const;
-  // How a send to (or, `sending` false, a receive from) group rank `peer` with `tag` fails:
-  // an error naming `what` (e.g. a pipeline's stage and microbatch; empty: the transfer
-  // alone), the direction, the peer's world rank, and whether the peer saw it fail too. The
-  // backend's own timeout bounds it.
-  CommFailure on_transfer_failure(const std::string& what, bool sending, int64_t peer,
-                                  int tag) const;
-
  private:
   friend class World;
-  // World::shutdown: ends the backends; backend() throws from then on.
+  // The library's collectives: the backends they issue on, and how what they issue fails
+  // (src/distributed/group_access.h).
+  friend struct detail::GroupAccess;
+  // World::shutdown: ends the backends; collectives throw from then on.
   void shut_down();
   // `store` (the world's): where members report a failed collective to one another.
   Group(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group, c10::Device device,

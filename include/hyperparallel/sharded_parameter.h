@@ -27,8 +27,6 @@ class FSDPState;
 // Cheap to copy; keeps the fully_shard state of its module alive.
 class ShardedParameter {
  public:
-  ShardedParameter(std::shared_ptr<detail::FSDPState> state, detail::FSDPParam* param);
-
   // This rank's part of the whole tensor, in the parameter's dtype: a view of the shard
   // (empty on ranks past the end of the shard dimension).
   const at::Tensor& local() const;
@@ -76,6 +74,10 @@ class ShardedParameter {
   void set_error_feedback_residual(const at::Tensor& residual) const;
 
  private:
+  // Made only by sharded_parameter_of, from the registry of live fully_shard states.
+  friend std::optional<ShardedParameter> sharded_parameter_of(const at::Tensor& variable);
+  ShardedParameter(std::shared_ptr<detail::FSDPState> state, detail::FSDPParam* param);
+
   std::shared_ptr<detail::FSDPState> state_;
   detail::FSDPParam* param_;
 };

@@ -15,7 +15,6 @@
 
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace hp::trace {
@@ -31,7 +30,7 @@ struct Event {
   double time_us;      // since start(), on the traced device's clock
   // kIssue of a collective: the bytes this rank sends in it, counted as hp::wire_bytes()
   // counts them but for the issuing thread only (another thread's traffic at the same
-  // time, an asynchronous checkpoint's, is not in it); set by record_bytes once it is
+  // time, an asynchronous checkpoint's, is not in it); filled in once the collective is
   // issued; 0 when not known.
   int64_t bytes = 0;
 };
@@ -41,11 +40,8 @@ void start(c10::Device device = c10::Device(c10::kCPU));
 // Stops recording and returns the events in the order they were recorded (on a GPU,
 // after waiting for the device to reach the last of them).
 std::vector<Event> stop();
+// Whether a trace is being recorded.
 bool enabled();
-void record(Kind kind, std::string_view op, std::string_view module);
-// Sets the bytes of the latest kIssue event of `op` and `module` (recorded before its
-// collectives were issued, so that on a GPU its time is where the stream starts them).
-void record_bytes(std::string_view op, std::string_view module, int64_t bytes);
 
 // "AG issue layers.0", "forward begin root", ...: the event without its time, as
 // schedule tests compare them.

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "collective_arguments.h"
+#include "group_access.h"
 #include "tensor_storage.h"
 #include "thread_wire_bytes.h"
 
@@ -78,7 +79,8 @@ class Transport {
   Transport(const Group& group, const at::Tensor& tensor)
       : staged_(tensor.device().is_cpu() && !group.has_cpu_backend()),
         device_(group.device()),
-        backend_(group.backend(staged_ ? device_.type() : tensor.device().type())) {}
+        backend_(detail::GroupAccess::backend(group,
+                                              staged_ ? device_.type() : tensor.device().type())) {}
 
   c10d::Backend& backend() const { return backend_; }
   // What the backend reads.
@@ -132,7 +134,7 @@ void check_peer(int64_t peer, const Group& group, const char* op) {
 // precision floats in fp32.
 CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat, ReduceOp op,
                                         const Group& group) {
-  c10d::Backend& backend = group.backend(in_flat.device().type());
+  c10d::Backend& backend = detail::GroupAccess::backend(group, in_flat.device().type());
   const int64_t group_size = group.size();
   at::Tensor received = at::empty_like(in_flat);
   std::vector<int64_t> equal_splits;
@@ -163,7 +165,7 @@ CommHandle reduce_scatter_by_all_to_all(at::Tensor out_flat, at::Tensor in_flat,
         detail::free_storage(received);
         received = at::Tensor();
       },
-      group.on_failure("reduce_scatter", backend));
+      detail::GroupAccess::on_failure(group, "reduce_scatter", backend));
 }
 
 // The tensor and the peer of a send or receive: another rank of the group.
@@ -218,8 +220,9 @@ CommHandle all_gather(at::Tensor output, const at::Tensor& input, const Group& g
   at::Tensor out = transport.output(out_flat);
   at::Tensor in = transport.input(in_flat);
   auto work = transport.backend()._allgather_base(out, in);
-  return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("all_gather", transport.backend()));
+  return CommHandle::from_work(
+      std::move(work), transport.completion({}),
+      detail::GroupAccess::on_failure(group, "all_gather", transport.backend()));
 }
 
 CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op,
@@ -239,9 +242,9 @@ CommHandle reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp o
   at::Tensor out = transport.output(out_flat);
   at::Tensor in = transport.input(in_flat);
   auto work = transport.backend()._reduce_scatter_base(out, in, options);
-  return CommHandle::from_work(std::move(work),
-                               transport.completion(average_after(op, output, group.size())),
-                               group.on_failure("reduce_scatter", transport.backend()));
+  return CommHandle::from_work(
+      std::move(work), transport.completion(average_after(op, output, group.size())),
+      detail::GroupAccess::on_failure(group, "reduce_scatter", transport.backend()));
 }
 
 CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
@@ -253,9 +256,9 @@ CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const Group& group) {
   c10d::AllreduceOptions options;
   options.reduceOp = backend_op(op);
   auto work = transport.backend().allreduce(tensors, options);
-  return CommHandle::from_work(std::move(work),
-                               transport.completion(average_after(op, tensor, group.size())),
-                               group.on_failure("all_reduce", transport.backend()));
+  return CommHandle::from_work(
+      std::move(work), transport.completion(average_after(op, tensor, group.size())),
+      detail::GroupAccess::on_failure(group, "all_reduce", transport.backend()));
 }
 
 CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& group,
@@ -292,8 +295,9 @@ CommHandle all_to_all(at::Tensor output, const at::Tensor& input, const Group& g
   at::Tensor out = transport.output(output);
   at::Tensor in = transport.input(input);
   auto work = transport.backend().alltoall_base(out, in, output_splits, input_splits);
-  return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("all_to_all", transport.backend()));
+  return CommHandle::from_work(
+      std::move(work), transport.completion({}),
+      detail::GroupAccess::on_failure(group, "all_to_all", transport.backend()));
 }
 
 CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
@@ -306,8 +310,9 @@ CommHandle broadcast(at::Tensor tensor, int64_t src, const Group& group) {
   c10d::BroadcastOptions options;
   options.rootRank = src;
   auto work = transport.backend().broadcast(tensors, options);
-  return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_failure("broadcast", transport.backend()));
+  return CommHandle::from_work(
+      std::move(work), transport.completion({}),
+      detail::GroupAccess::on_failure(group, "broadcast", transport.backend()));
 }
 
 CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int tag,
@@ -317,8 +322,9 @@ CommHandle send(const at::Tensor& tensor, int64_t dst, const Group& group, int t
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.input(tensor)};
   auto work = transport.backend().send(tensors, static_cast<int>(dst), tag);
-  return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_transfer_failure(what, /*sending=*/true, dst, tag));
+  return CommHandle::from_work(
+      std::move(work), transport.completion({}),
+      detail::GroupAccess::on_transfer_failure(group, what, /*sending=*/true, dst, tag));
 }
 
 CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag,
@@ -327,16 +333,18 @@ CommHandle recv(at::Tensor tensor, int64_t src, const Group& group, int tag,
   Transport transport(group, tensor);
   std::vector<at::Tensor> tensors{transport.output(tensor)};
   auto work = transport.backend().recv(tensors, static_cast<int>(src), tag);
-  return CommHandle::from_work(std::move(work), transport.completion({}),
-                               group.on_transfer_failure(what, /*sending=*/false, src, tag));
+  return CommHandle::from_work(
+      std::move(work), transport.completion({}),
+      detail::GroupAccess::on_transfer_failure(group, what, /*sending=*/false, src, tag));
 }
 
 CommHandle barrier(const Group& group) {
   if (!group.communicates()) return {};
   // Gloo where the group has it; else NCCL's barrier, an all-reduce on the bound GPU.
   const c10::DeviceType on = group.has_cpu_backend() ? c10::kCPU : group.device().type();
-  c10d::Backend& backend = group.backend(on);
-  return CommHandle::from_work(backend.barrier(), {}, group.on_failure("barrier", backend));
+  c10d::Backend& backend = detail::GroupAccess::backend(group, on);
+  return CommHandle::from_work(backend.barrier(), {},
+                               detail::GroupAccess::on_failure(group, "barrier", backend));
 }
 
 WireBytes wire_bytes() {

@@ -16,6 +16,7 @@
 
 #include "device_choice.h"
 #include "error_message.h"
+#include "group_access.h"
 #include "hyperparallel/launch_env.h"
 #include "rendezvous.h"
 
@@ -69,44 +70,6 @@ Group::~Group() {
   for (auto* backend : {&cpu_backend_, &cuda_backend_}) (void)backend->release();
 }
 
-CommFailure Group::on_failure(std::string operation, const c10d::Backend& backend) const {
-  const int64_t number = ++collectives_issued_;
-  CommFailure failure;
-  failure.explain = [store = store_, name = name_, ranks = ranks_, rank = ranks_[rank_], number,
-                     operation = std::move(operation), failed = failed_](const std::string& error) {
-    failed->store(true);
-    return detail::explain_failed_collective(
-        store, "hp/" + name, ranks, rank,
-        operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
-  };
-  // NCCL's wait with a timeout would block the host (and has a watchdog of its own).
-  if (backend.getBackendName() == "gloo") {
-    failure.deadline = std::chrono::steady_clock::now() + timeout_;
-  }
-  return failure;
-}
-
-CommFailure Group::on_transfer_failure(const std::string& what, bool sending, int64_t peer,
-                                       int tag) const {
-  const int64_t me = ranks_[rank_], them = ranks_[peer];
-  const int64_t source = sending ? me : them, destination = sending ? them : me;
-  const int64_t number = ++transfers_[{source, destination, tag}];
-  const std::string transfer = std::string(sending ? "send to" : "recv from") + " world rank " +
-                               std::to_string(them) + " over group '" + name_ + "'";
-  CommFailure failure;
-  failure.explain = [store = store_, name = name_,
-                     pair = std::vector<int64_t>{std::min(me, them), std::max(me, them)}, me,
-                     what = what.empty() ? transfer : what + " (" + transfer + ")",
-                     id = "transfer " + std::to_string(source) + "->" +
-                          std::to_string(destination) + " tag " + std::to_string(tag) + " #" +
-                          std::to_string(number),
-                     failed = failed_](const std::string& error) {
-    failed->store(true);
-    return detail::explain_failed_collective(store, "hp/" + name, pair, me, what, error, id);
-  };
-  return failure;
-}
-
 void Group::shut_down() {
   if (shut_down_) return;
   shut_down_ = true;
@@ -116,30 +79,70 @@ void Group::shut_down() {
   }
 }
 
-c10d::Backend& Group::backend(c10::DeviceType device_type) const {
-  if (shut_down_) {
-    C10_THROW_ERROR(Error, "group '" + name_ +
+c10d::Backend& detail::GroupAccess::backend(const Group& group, c10::DeviceType device_type) {
+  if (group.shut_down_) {
+    C10_THROW_ERROR(Error, "group '" + group.name_ +
                                "' belongs to a World that was shut down (World::shutdown); "
                                "collectives need a live World");
   }
-  if (!communicates()) {
-    C10_THROW_ERROR(Error, "group '" + name_ +
+  if (!group.communicates()) {
+    C10_THROW_ERROR(Error, "group '" + group.name_ +
                                "' has one rank and no backend; collectives "
                                "on it must not communicate");
   }
-  if (device_type == c10::DeviceType::CPU && cpu_backend_) return *cpu_backend_;
-  if (device_type == c10::DeviceType::CUDA && cuda_backend_) return *cuda_backend_;
+  if (device_type == c10::DeviceType::CPU && group.cpu_backend_) return *group.cpu_backend_;
+  if (device_type == c10::DeviceType::CUDA && group.cuda_backend_) return *group.cuda_backend_;
   if (device_type == c10::DeviceType::CPU) {
-    C10_THROW_ERROR(ValueError, "group '" + name_ +
+    C10_THROW_ERROR(ValueError, "group '" + group.name_ +
                                     "' has no Gloo backend for CPU tensors: this GPU job was "
                                     "started without one (set WorldOptions::gloo_on_gpu), and "
                                     "collectives.h moves CPU tensors through the GPU");
   }
-  C10_THROW_ERROR(ValueError, "group '" + name_ + "' has no backend for " +
+  C10_THROW_ERROR(ValueError, "group '" + group.name_ + "' has no backend for " +
                                   c10::DeviceTypeName(device_type) +
                                   " tensors (CPU uses Gloo; CUDA uses NCCL, which needs a LibTorch "
                                   "built with it and a CUDA device of this rank's own: "
                                   "cuda:LOCAL_RANK)");
+}
+
+CommFailure detail::GroupAccess::on_failure(const Group& group, std::string operation,
+                                            const c10d::Backend& backend) {
+  const int64_t number = ++group.collectives_issued_;
+  CommFailure failure;
+  failure.explain = [store = group.store_, name = group.name_, ranks = group.ranks_,
+                     rank = group.ranks_[group.rank_], number, operation = std::move(operation),
+                     failed = group.failed_](const std::string& error) {
+    failed->store(true);
+    return detail::explain_failed_collective(
+        store, "hp/" + name, ranks, rank,
+        operation + " #" + std::to_string(number) + " over group '" + name + "'", error);
+  };
+  // NCCL's wait with a timeout would block the host (and has a watchdog of its own).
+  if (backend.getBackendName() == "gloo") {
+    failure.deadline = std::chrono::steady_clock::now() + group.timeout_;
+  }
+  return failure;
+}
+
+CommFailure detail::GroupAccess::on_transfer_failure(const Group& group, const std::string& what,
+                                                     bool sending, int64_t peer, int tag) {
+  const int64_t me = group.ranks_[group.rank_], them = group.ranks_[peer];
+  const int64_t source = sending ? me : them, destination = sending ? them : me;
+  const int64_t number = ++group.transfers_[{source, destination, tag}];
+  const std::string transfer = std::string(sending ? "send to" : "recv from") + " world rank " +
+                               std::to_string(them) + " over group '" + group.name_ + "'";
+  CommFailure failure;
+  failure.explain = [store = group.store_, name = group.name_,
+                     pair = std::vector<int64_t>{std::min(me, them), std::max(me, them)}, me,
+                     what = what.empty() ? transfer : what + " (" + transfer + ")",
+                     id = "transfer " + std::to_string(source) + "->" +
+                          std::to_string(destination) + " tag " + std::to_string(tag) + " #" +
+                          std::to_string(number),
+                     failed = group.failed_](const std::string& error) {
+    failed->store(true);
+    return detail::explain_failed_collective(store, "hp/" + name, pair, me, what, error, id);
+  };
+  return failure;
 }
 
 World::World(int64_t rank, int64_t size, std::string address, c10::intrusive_ptr<c10d::Store> store,

@@ -5,6 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "../distributed/group_access.h"
 #include "../distributed/tensor_storage.h"
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/quantized_collectives.h"
@@ -68,8 +69,8 @@ template <typename IssueOne>
 CommHandle issue_coalesced(const Group& group, c10::DeviceType device, size_t count,
                            IssueOne&& issue_one) {
   c10d::Backend* backend = nullptr;
-  if (group.communicates() && group.backend(device).supportsCoalescing()) {
-    backend = &group.backend(device);
+  if (group.communicates() && GroupAccess::backend(group, device).supportsCoalescing()) {
+    backend = &GroupAccess::backend(group, device);
     backend->startCoalescing();
   }
   std::vector<CommHandle> issued;
@@ -84,8 +85,9 @@ CommHandle issue_coalesced(const Group& group, c10::DeviceType device, size_t co
     throw;
   }
   if (backend) {
-    issued.push_back(CommHandle::from_work(backend->endCoalescing(), {},
-                                           group.on_failure("coalesced collectives", *backend)));
+    issued.push_back(
+        CommHandle::from_work(backend->endCoalescing(), {},
+                              GroupAccess::on_failure(group, "coalesced collectives", *backend)));
   }
   return CommHandle::after(std::move(issued), {});
 }

@@ -7,9 +7,9 @@
 #include <utility>
 
 #include "../distributed/thread_wire_bytes.h"
+#include "../trace/trace_recording.h"
 #include "fsdp_collectives.h"
 #include "hyperparallel/collectives.h"
-#include "hyperparallel/trace.h"
 
 namespace hp::detail {
 namespace {

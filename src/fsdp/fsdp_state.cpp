@@ -6,8 +6,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "../recompute/recompute_scope.h"
+#include "../trace/trace_recording.h"
 #include "autograd_hooks.h"
-#include "hyperparallel/trace.h"
 
 namespace hp::detail {
 namespace {

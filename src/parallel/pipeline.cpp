@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "../trace/trace_recording.h"
 #include "hyperparallel/collectives.h"
-#include "hyperparallel/trace.h"
 
 namespace hp {
 namespace {

@@ -14,6 +14,8 @@
 #include <optional>
 #include <sstream>
 
+#include "trace_recording.h"
+
 namespace hp::trace {
 namespace {
 

@@ -1,6 +1,7 @@
 // The fully_shard module interface: test plan L1-01 .. L1-05 and L1-09.
 #include <torch/torch.h>
 
+#include "comm_handle_internals.h"
 #include "distributed_test.h"
 #include "fsdp_internals.h"
 #include "fsdp_test_util.h"
@@ -250,7 +251,7 @@ HP_DIST_TEST(FullyShardModule, L1_05_ManualReshardUnshardLifecycle, 2) {
 
   CommHandle handle = block.unshard(/*async_op=*/true);
   EXPECT_TRUE(handle.pending());
-  EXPECT_TRUE(handle.has_work()) << "two shard ranks: real all-gathers are in flight";
+  EXPECT_TRUE(testing::has_work(handle)) << "two shard ranks: real all-gathers are in flight";
   EXPECT_EQ(numel_of(module), shard) << "an async unshard installs nothing before wait()";
   handle.wait();
   EXPECT_EQ(numel_of(module), full);

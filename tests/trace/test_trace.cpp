@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "hyperparallel/trace.h"
+#include "src/trace/trace_recording.h"
 
 namespace hp::trace {
 namespace {
