@@ -27,6 +27,7 @@
 
 #include "hyperparallel/async_checkpoint.h"
 #include "hyperparallel/collectives.h"
+#include "hyperparallel/fused_optimizers.h"
 #include "hyperparallel/trace.h"
 #include "trainer/evaluation.h"
 #include "trainer/fault_injection.h"
@@ -99,7 +100,11 @@ int train(const TrainOptions& o, const std::string& resolved) {
   const std::vector<at::Tensor> parameters = model->parameters();
   print_header(o, job, data, model->size(), numel_of(parameters), resolved);
   const Evaluation evaluation = model->evaluation();
-  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(o.lr));
+  const std::unique_ptr<torch::optim::AdamW> adamw =
+      o.optimizer_implementation == "fused"
+          ? std::make_unique<hp::FusedAdamW>(parameters, torch::optim::AdamWOptions(o.lr))
+          : std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(o.lr));
+  torch::optim::AdamW& optimizer = *adamw;
   const int64_t done = resume_from.empty() ? 0 : resume(resume_from, *model, optimizer, job.rank);
   const InjectedFault fault = fault_of_this_attempt(o, job.ranks);
   Summary summary;

@@ -102,6 +102,12 @@ void add_training_options(CLI::App& app, TrainOptions& o) {
       ->check(kFinite)
       ->check(kPositive)
       ->group("Training");
+  app.add_option("--optimizer-implementation", o.optimizer_implementation,
+                 "fused: AdamW steps every shard of a device and dtype in one kernel; "
+                 "for-loop: torch::optim::AdamW's kernels per parameter (checkpoints are the "
+                 "same either way)")
+      ->check(CLI::IsMember({"fused", "for-loop"}))
+      ->group("Training");
   app.add_option("--warmup", o.warmup, "linear warmup steps, then cosine decay to lr/10")
       ->check(CLI::Range(0, 10'000'000))
       ->group("Training");

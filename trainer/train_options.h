@@ -22,6 +22,9 @@ struct TrainOptions {
   int64_t steps = 500;
   int64_t batch = 32;  // global, in sequences
   double lr = 6e-3;
+  // AdamW's step: fused (hp::FusedAdamW, one ATen kernel per device and dtype) | for-loop
+  // (torch::optim::AdamW, several kernels per parameter). The same state either way.
+  std::string optimizer_implementation = "fused";
   int64_t warmup = 20;     // steps of linear warmup before the cosine decay to lr/10
   double clip_grad = 1.0;  // 0: off
   // A step whose loss or gradient norm is not finite is skipped on every rank; this many
