@@ -29,6 +29,8 @@
 //                    ef       options.comm_policy.error_feedback = true
 //                    raf2     options.reshard_after_forward = 2 (blocks keep 1/2 after
 //                             forward; backward all-gathers within pairs of ranks)
+//                    fusedopt hp::FusedAdamW instead of torch::optim::AdamW (every
+//                             variant else steps with torch::optim::AdamW)
 // --deferred-init builds every variant's model with hp::deferred_init and materializes it
 // after fully_shard (the same values as an eager build, bit for bit): a rank then never
 // holds more than its shards and about one whole parameter, also while initializing.
@@ -78,6 +80,7 @@
 #include "hyperparallel/collectives.h"
 #include "hyperparallel/deferred_init.h"
 #include "hyperparallel/fully_shard.h"
+#include "hyperparallel/fused_optimizers.h"
 #include "hyperparallel/materialize.h"
 #include "hyperparallel/mesh.h"
 #include "hyperparallel/process_group.h"
@@ -524,8 +527,10 @@ std::unique_ptr<Variant> build_variant(const std::string& spec, const Options& o
   if (kind == "ddp") {
     variant->after_backward = ddp_all_reduce(variant->module->parameters(), setting.all());
   }
-  variant->optimizer = std::make_unique<torch::optim::AdamW>(variant->module->parameters(),
-                                                             torch::optim::AdamWOptions(1e-3));
+  const torch::optim::AdamWOptions adamw(1e-3);
+  variant->optimizer =
+      has("fusedopt") ? std::make_unique<hp::FusedAdamW>(variant->module->parameters(), adamw)
+                      : std::make_unique<torch::optim::AdamW>(variant->module->parameters(), adamw);
   return variant;
 }
 

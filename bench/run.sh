@@ -126,7 +126,7 @@ launch() {
 declare -A SIZE=([d128L4]="--dim 128 --layers 4 --heads 4" [d256L4]="--dim 256 --layers 4 --heads 4"
   [d128L8]="--dim 128 --layers 8 --heads 4")
 COMMON="--vocab 1024 --seq 64 --batch 1"
-HP_VARIANTS=local,ddp,comm,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep
+HP_VARIANTS=local,ddp,comm,hp,hp:fusion,hp:nopf,hp:keep,hp:fusion+keep,hp:fusedopt
 PY_VARIANTS=local,fsdp2,fsdp2:prefetch,fsdp2:raf
 # Peak-RSS runs: one variant per process (VmHWM is the process's), every block of 128 KiB
 # or more mapped on allocation and unmapped on free (see TIMING_MALLOC above).
