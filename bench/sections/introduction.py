@@ -25,7 +25,7 @@ def header(rep, args):
         f"This run took {args.seconds // 60} min {args.seconds % 60} s; the transformer "
         f"runs time {args.steps} steps per variant after {args.warmup} warm-up step(s). "
         "`bench/run.sh BUILD --only SECTIONS` (steps, memory, beyond, overhead, netns, "
-        "checkpoint, pipeline, codecs) "
+        "checkpoint, pipeline, recompute, codecs) "
         "reruns some of them and rewrites only their sections and target rows; a section "
         "made that way names the command that made it."
     )
