@@ -20,6 +20,7 @@ ROWS = [
     ("C++", "hp:fusion+keep", "hp comm_fusion, prefetch, RAF=false"),
     ("C++", "hp:fusion+bucket", "hp comm_fusion in 128 KiB buckets, prefetch, RAF=true"),
     ("C++", "hp:fusion+keep+bucket", "hp comm_fusion in 128 KiB buckets, prefetch, RAF=false"),
+    ("C++", "hp:fusedopt", "hp per-param, prefetch, RAF=true, hp::FusedAdamW"),
     ("Python", "local", "compute only, no communication (Python)"),
     ("Python", "fsdp2", "FSDP2 defaults, RAF=false"),
     ("Python", "fsdp2:prefetch", "FSDP2 + async unshard + forward prefetch, RAF=false"),
