@@ -38,6 +38,7 @@ bench: build
 
 format:
 	$(RUN) clang-format -i $(shell git ls-files '*.cpp' '*.h')
+	$(RUN) ruff format $(shell git ls-files '*.py')
 
 clean:
 	rm -rf $(BUILD)

@@ -11,6 +11,10 @@ Variants (alternated step by step in one process, like hp_bench):
     fsdp2:prefetch  + the documented CPU-friendly overlap recipe: async unshard and an
                     explicit forward prefetch of the next block
     fsdp2:raf       reshard_after_forward=True (failed in backward on CPU with torch 2.6)
+    hyperparallel   hyperparallel.fully_shard (this project's Python package, on the C++
+                    core), the same calls as fsdp2; flags as fsdp2's (raf) and
+                    int8 (int8 all-gather and reduce-scatter with error feedback),
+                    fusion (comm_fusion), e.g. hyperparallel:raf+int8
 
 --deferred-init builds the model on the meta device, applies fully_shard there, then
 allocates only the local shards (to_empty) and initializes them (FSDP2's documented
@@ -180,6 +184,18 @@ def main():
                 blocks = model.blocks()
                 for i in range(len(blocks) - 1):
                     blocks[i].set_modules_to_forward_prefetch([blocks[i + 1]])
+        elif kind == "hyperparallel":
+            import hyperparallel  # noqa: PLC0415 -- only where asked for (PYTHONPATH)
+
+            options = dict(mesh=mesh, reshard_after_forward="raf" in flags)
+            if "int8" in flags:
+                options.update(
+                    all_gather_codec="int8", reduce_scatter_codec="int8", error_feedback=True
+                )
+            options["comm_fusion"] = "fusion" in flags
+            for block in model.blocks():
+                hyperparallel.fully_shard(block, **options)
+            hyperparallel.fully_shard(model, **options)
         elif kind != "local":
             raise SystemExit(f"unknown variant {variant}")
         if args.deferred_init:
@@ -256,7 +272,7 @@ def main():
     if rank == 0:
         for index, v in enumerate(variants):
             res = {
-                "impl": "fsdp2" if v["name"].startswith("fsdp2") else "py",
+                "impl": v["name"].split(":")[0] if v["name"] != "local" else "py",
                 "variant": v["name"],
                 "label": args.label,
                 "world": world,

@@ -13,7 +13,9 @@
 # activations held on 4 ranks, and the cost of a zero-bubble schedule's split backward),
 # recompute (activation recomputation's early stop against whole reruns, one process),
 # codecs (quantized collectives: bytes, step time on loopback and bandwidth-limited, and
-# the accuracy of 500 training steps).
+# the accuracy of 500 training steps), python (the Python package's fully_shard against
+# FSDP2 in one program: step time, peak memory, per-module overhead, int8 codecs on the
+# bandwidth-limited link).
 # --only runs the listed ones and rewrites only their parts of the report (their sections
 # and target rows); the rest of docs/performance.md stays as it was.
 #
@@ -30,7 +32,7 @@
 set -uo pipefail # no -e: a failed run is recorded in the report, the others still run
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline,recompute,codecs
+ALL_SECTIONS=steps,memory,beyond,overhead,netns,checkpoint,pipeline,recompute,codecs,python
 BUILD=build
 SECTIONS=$ALL_SECTIONS
 COMMAND="make bench"
@@ -66,6 +68,8 @@ HP_BENCH=$BUILD/bench/hp_bench
 PIPELINE_BENCH=$BUILD/bench/pipeline_bench
 RECOMPUTE_BENCH=$BUILD/bench/recompute_bench
 PY_BENCH="python3 bench/fsdp2_bench.py"
+# fsdp2_bench.py's hyperparallel variants import the package from the build tree.
+export PYTHONPATH=$BUILD/python/package${PYTHONPATH:+:$PYTHONPATH}
 # Python's TCPStore (FSDP2 runs) needs the non-libuv backend in this torch build.
 export USE_LIBUV=0
 # Timed runs, C++ and Python alike: glibc keeps freed memory instead of handing blocks of
@@ -237,6 +241,37 @@ section_netns() {
   echo "bench: bandwidth-limited ($RATE per rank, network namespaces + tbf)"
   on_limited_link netns_runs ||
     echo "  (skipped: could not create network namespaces; see $OUT/log.txt)"
+}
+
+# The Python package (python/): hyperparallel.fully_shard against FSDP2 on the same Python
+# model, in one program that alternates them step by step; peak RSS from one variant per
+# process; per-module overhead on the overhead section's 64 tiny blocks; the int8 codecs
+# on the bandwidth-limited link.
+python_link_runs() {
+  # shellcheck disable=SC2086
+  launch "python/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants fsdp2,hyperparallel,hyperparallel:int8
+}
+
+section_python() {
+  echo "bench: the Python package against FSDP2 (step, memory, overhead, codecs)"
+  for n in 2 4; do
+    # shellcheck disable=SC2086
+    launch "python/d256L4/1x$n" "$n" $PY_BENCH ${SIZE[d256L4]} $COMMON --mesh "1x$n" \
+      --steps "$STEPS" --warmup "$WARMUP" --variants local,fsdp2,hyperparallel,hyperparallel:raf
+  done
+  export GLIBC_TUNABLES=$MEMORY_MALLOC
+  for v in fsdp2 hyperparallel; do
+    # shellcheck disable=SC2086
+    launch "python/memory/d512L16/1x4" 4 $PY_BENCH $MEMORY_MODEL --mesh 1x4 --steps 1 \
+      --warmup 1 --variants "$v"
+  done
+  export GLIBC_TUNABLES=$TIMING_MALLOC
+  launch "python/tiny/1x2" 2 $PY_BENCH --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
+    --warmup 3 --variants local,fsdp2,hyperparallel
+  if [ "${BENCH_NETNS:-1}" = 0 ] || ! on_limited_link python_link_runs; then
+    echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
+  fi
 }
 
 # How long a save blocks training (issue 28): the memory runs' d=512/L=16 model on 4

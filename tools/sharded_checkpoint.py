@@ -15,6 +15,7 @@ the `safetensors` package, placed by index.json and checked against their CRC-32
 index itself is checked against the CRC-32 in COMPLETE, and its pieces must cover every
 tensor exactly once. A damaged checkpoint raises ValueError naming the file.
 """
+
 import argparse
 import contextlib
 import json
@@ -45,7 +46,7 @@ def read_index(directory):
     if record:
         if not record.startswith(COMPLETE_RECORD):
             raise ValueError(f"{complete} is damaged (it reads {record!r})")
-        if f"{zlib.crc32(text):08x}" != record[len(COMPLETE_RECORD):]:
+        if f"{zlib.crc32(text):08x}" != record[len(COMPLETE_RECORD) :]:
             raise ValueError(f"{index_path} is damaged (CRC-32)")
     try:
         return json.loads(text)
@@ -57,7 +58,9 @@ def check_coverage(name, entry, index_path):
     """The pieces of a tensor lie inside it and cover it exactly once."""
     covered = torch.zeros(entry["shape"], dtype=torch.int32)
     for piece in entry["pieces"]:
-        if any(o < 0 or o + n > s for o, n, s in zip(piece["offsets"], piece["shape"], entry["shape"])):
+        if any(
+            o < 0 or o + n > s for o, n, s in zip(piece["offsets"], piece["shape"], entry["shape"])
+        ):
             raise ValueError(f"{index_path} is damaged: a piece of '{name}' lies outside it")
         covered[tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["shape"]))] += 1
     if not bool((covered == 1).all()):
@@ -68,7 +71,11 @@ def load_model(directory):
     """The model's parameters and buffers, by their fully qualified names."""
     tensors = load(directory)
     if any(name.startswith(EARLIER_MODEL_PREFIX) for name in tensors):
-        return {n[len(EARLIER_MODEL_PREFIX):]: t for n, t in tensors.items() if n.startswith(EARLIER_MODEL_PREFIX)}
+        return {
+            n[len(EARLIER_MODEL_PREFIX) :]: t
+            for n, t in tensors.items()
+            if n.startswith(EARLIER_MODEL_PREFIX)
+        }
     return {n: t for n, t in tensors.items() if not n.startswith(NOT_MODEL_PREFIXES)}
 
 
@@ -88,11 +95,15 @@ def load(directory, prefix=""):
                     try:
                         files[piece["file"]] = stack.enter_context(safe_open(path, framework="pt"))
                     except SafetensorError as error:
-                        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+                        raise ValueError(
+                            f"{path} is not a readable safetensors file: {error}"
+                        ) from None
                 try:
                     data = files[piece["file"]].get_tensor(name)
                 except SafetensorError as error:
-                    raise ValueError(f"cannot read '{name}' from {piece['file']}: {error}") from None
+                    raise ValueError(
+                        f"cannot read '{name}' from {piece['file']}: {error}"
+                    ) from None
                 crc = zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().tobytes())
                 if f"{crc:08x}" != piece["crc32"]:
                     raise ValueError(f"tensor '{name}' in {piece['file']} is damaged (CRC-32)")
@@ -100,7 +111,7 @@ def load(directory, prefix=""):
                     whole = torch.empty(entry["shape"], dtype=data.dtype)
                 region = tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["shape"]))
                 whole[region] = data
-            tensors[name[len(prefix):]] = whole
+            tensors[name[len(prefix) :]] = whole
     return tensors
 
 

@@ -8,6 +8,7 @@ with the store's libuv off where libuv is missing; elsewhere it is plain torchru
 
     python3 tools/torchrun.py --nproc-per-node 2 --no-python build/trainer/train_decoder ...
 """
+
 import sys
 
 import torch.distributed as dist

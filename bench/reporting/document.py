@@ -36,8 +36,13 @@ def splice(old_text, rep, only):
     for title, owner in SECTIONS:
         if title == "Targets" and title in old:
             lines = old[title]
-            kept = [l for l in lines if not l.startswith("| ") or l.startswith("| target |")
-                    or rep.target_section(l[2:]) not in only]
+            kept = [
+                l
+                for l in lines
+                if not l.startswith("| ")
+                or l.startswith("| target |")
+                or rep.target_section(l[2:]) not in only
+            ]
             at = max(i for i, l in enumerate(kept) if l.startswith("|")) + 1
             kept[at:at] = [table_row(t[1:]) for t in rep.targets if t[0] in only]
             out += kept

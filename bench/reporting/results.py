@@ -11,7 +11,11 @@ ROWS = [
     ("C++", "comm:keep", "communication only, serial, RAF=false (C++)"),
     ("C++", "comm:keep+gloo", "communication only, serial, RAF=false, Gloo reduce-scatter (C++)"),
     ("C++", "comm:fusion", "communication only, serial, one collective per module, RAF=true (C++)"),
-    ("C++", "comm:fusion+keep", "communication only, serial, one collective per module, RAF=false (C++)"),
+    (
+        "C++",
+        "comm:fusion+keep",
+        "communication only, serial, one collective per module, RAF=false (C++)",
+    ),
     ("C++", "ddp", "DDP baseline: replicated, one flat all-reduce"),
     ("C++", "hp", "hp per-param, prefetch, RAF=true (defaults)"),
     ("C++", "hp:fusion", "hp comm_fusion, prefetch, RAF=true"),
@@ -24,11 +28,14 @@ ROWS = [
     ("Python", "local", "compute only, no communication (Python)"),
     ("Python", "fsdp2", "FSDP2 defaults, RAF=false"),
     ("Python", "fsdp2:prefetch", "FSDP2 + async unshard + forward prefetch, RAF=false"),
+    ("Python", "hyperparallel", "hyperparallel.fully_shard, RAF=false"),
+    ("Python", "hyperparallel:raf", "hyperparallel.fully_shard, RAF=true"),
+    ("Python", "hyperparallel:int8", "hyperparallel.fully_shard, int8 codecs, RAF=false"),
 ]
 
 
 def source(r):
-    return "Python" if r.get("impl") in ("py", "fsdp2", "fsdp2_bench") else "C++"
+    return "Python" if r.get("impl") in ("py", "fsdp2", "fsdp2_bench", "hyperparallel") else "C++"
 
 
 def load(path):

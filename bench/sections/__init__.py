@@ -5,11 +5,34 @@ heading), TARGETS (how the texts of its target rows start, so that a partial run
 its rows from the others') and write(rep, args). introduction and conclusion write the
 parts that only a full run rewrites."""
 
-from sections import (beyond, checkpoint, codecs, conclusion, introduction, memory, netns,
-                      overhead, pipeline, recompute, steps)
+from sections import (
+    beyond,
+    checkpoint,
+    codecs,
+    conclusion,
+    introduction,
+    memory,
+    netns,
+    overhead,
+    pipeline,
+    python,
+    recompute,
+    steps,
+)
 
 # The run.sh sections, in the order of the document.
-MEASURED = (steps, memory, beyond, overhead, netns, checkpoint, pipeline, recompute, codecs)
+MEASURED = (
+    steps,
+    memory,
+    beyond,
+    overhead,
+    netns,
+    checkpoint,
+    pipeline,
+    recompute,
+    codecs,
+    python,
+)
 
 
 def run_sh_section(module):

@@ -221,7 +221,9 @@ def costs_text(rep, r, costs):
         "What an async save costs training in total per save (`save()` plus the slowdown "
         "of the steps during its write): "
         + "; ".join(
-            f"`{name}` about {fmt(c, 0)} ms" if c is not None else f"`{name}` only its "
+            f"`{name}` about {fmt(c, 0)} ms"
+            if c is not None
+            else f"`{name}` only its "
             f"`save()`, {fmt(r['async'][name]['blocked_ms'], 0)} ms (no slowdown measured)"
             for name, c in costs.items()
         )
@@ -236,9 +238,7 @@ def targets(rep, r, stagings):
         share = ratio(a["blocked_ms"], r["sync_blocked_ms"])
         if share is None:
             continue
-        measured = (
-            f"{fmt(a['blocked_ms'])} vs {fmt(r['sync_blocked_ms'])} ms = {share * 100:.1f}%"
-        )
+        measured = f"{fmt(a['blocked_ms'])} vs {fmt(r['sync_blocked_ms'])} ms = {share * 100:.1f}%"
         if name == "copy":
             rep.target(
                 (

@@ -33,8 +33,11 @@ CODEC_OVERLAP_ROWS = [
     ("hp:fusion+bucket", "comm", "full precision, comm_fusion in 128 KiB buckets"),
     ("hp:int8ag+int8rs", "comm:int8ag+int8rs", "int8 + int8, per parameter"),
     ("hp:fusion+int8ag+int8rs", "comm:int8ag+int8rs", "int8 + int8, comm_fusion"),
-    ("hp:fusion+bucket+int8ag+int8rs", "comm:int8ag+int8rs",
-     "int8 + int8, comm_fusion in 128 KiB buckets"),
+    (
+        "hp:fusion+bucket+int8ag+int8rs",
+        "comm:int8ag+int8rs",
+        "int8 + int8, comm_fusion in 128 KiB buckets",
+    ),
 ]
 NODE_ROWS = [
     ("hp", "full precision, reshard_after_forward = true"),
@@ -43,8 +46,10 @@ NODE_ROWS = [
     ("hp:int8ag+int8rs+raf2", "int8 + int8, secondary partition"),
 ]
 # The quantized variants the targets judge, each with its full-precision peer and name.
-QUANTIZED = (("hp:int8ag+int8rs", "hp", "per parameter"),
-             ("hp:fusion+int8ag+int8rs", "hp:fusion", "comm_fusion"))
+QUANTIZED = (
+    ("hp:int8ag+int8rs", "hp", "per parameter"),
+    ("hp:fusion+int8ag+int8rs", "hp:fusion", "comm_fusion"),
+)
 
 
 def zero3_bytes(r):
@@ -100,8 +105,10 @@ def codec_table(rep, label, fsdp2=None, rows=CODEC_ROWS):
     def vs_full_precision(r):
         return fmt(ratio(r["step_ms"], base["step_ms"]) if ok(base) else None, 2)
 
-    rep.p("| variant | KiB sent per step and rank | / fp32 ZeRO-3 | step ms (p25–p75) | / full precision |"
-          + (" / FSDP2 |" if fsdp2 else ""))
+    rep.p(
+        "| variant | KiB sent per step and rank | / fp32 ZeRO-3 | step ms (p25–p75) | / full precision |"
+        + (" / FSDP2 |" if fsdp2 else "")
+    )
     rep.p("|---|---:|---:|---:|---:|" + ("---:|" if fsdp2 else ""))
     for variant, title in rows:
         r = find(label, "C++", variant)
@@ -111,14 +118,18 @@ def codec_table(rep, label, fsdp2=None, rows=CODEC_ROWS):
             rep.p(f"| {title} | failed: {r.get('error')}{failed_cells}")
             continue
         kib = r["wire_bytes_per_step"] / 1024
-        row = (f"| {title} | {fmt(kib, 0)} | {fmt(r['wire_bytes_per_step'] / zero3_bytes(r), 3)} | "
-               f"{step_cell(r)} | {vs_full_precision(r)} |")
+        row = (
+            f"| {title} | {fmt(kib, 0)} | {fmt(r['wire_bytes_per_step'] / zero3_bytes(r), 3)} | "
+            f"{step_cell(r)} | {vs_full_precision(r)} |"
+        )
         if fsdp2:
             row += f" {fmt(ratio(r['step_ms'], fsdp2['step_ms']), 2)} |"
         rep.p(row)
     if fsdp2:
-        rep.p(f"| FSDP2 defaults (Python, for reference) | – | – | {step_cell(fsdp2)} | "
-              f"{vs_full_precision(fsdp2)} | 1.00 |")
+        rep.p(
+            f"| FSDP2 defaults (Python, for reference) | – | – | {step_cell(fsdp2)} | "
+            f"{vs_full_precision(fsdp2)} | 1.00 |"
+        )
     for r in rep.run_failures(label):
         rep.p(f"| a run of {r.get('impl')} | failed: {r.get('error')}{failed_cells}")
     rep.p()
@@ -134,7 +145,9 @@ def codec_overlap(rep, label):
         t_comm = fwd_bwd(comm)
         if not (ok(r) and t_comp and t_comm):
             continue
-        rows.append((variant, title, t_comm, fwd_bwd(r), overlap_efficiency(t_comm, t_comp, fwd_bwd(r))))
+        rows.append(
+            (variant, title, t_comm, fwd_bwd(r), overlap_efficiency(t_comm, t_comp, fwd_bwd(r)))
+        )
     if not rows:
         return
     p = rep.p
@@ -153,8 +166,13 @@ def codec_overlap(rep, label):
         p(f"| {title} | {fmt(t_comm)} | {fmt(t)} | {fmt(eff, 2)} |")
         if "fusion" in variant:
             what = title.replace(", comm_fusion", "")
-            rep.target((f"comm_fusion overlap efficiency >= 0.85, bandwidth-limited, {what}",
-                        fmt(eff, 2), at_least(eff, 0.85)))
+            rep.target(
+                (
+                    f"comm_fusion overlap efficiency >= 0.85, bandwidth-limited, {what}",
+                    fmt(eff, 2),
+                    at_least(eff, 0.85),
+                )
+            )
     p()
     message_sizes(rep, label)
 
@@ -208,9 +226,11 @@ def when_to_turn_on(rep):
 
     rep.p(
         "**When to turn them on.** Where the link bounds the step, the bytes are the cost: "
-        + "; ".join(f"{mode(full)}, int8 weights and "
-                    f"gradients make the bandwidth-limited step {fmt(gain, 2)}x faster"
-                    for full, _, gain in speedups)
+        + "; ".join(
+            f"{mode(full)}, int8 weights and "
+            f"gradients make the bandwidth-limited step {fmt(gain, 2)}x faster"
+            for full, _, gain in speedups
+        )
         + ". On loopback, where communication is memcpy on the cores that compute, the "
         "codecs trade copies for quantizing on the same cores: "
         + "; ".join(f"{mode(full)} step x {fmt(cost, 2)}" for full, cost, _ in speedups)
@@ -228,22 +248,41 @@ def targets(rep, fsdp2):
     int8 = rep.find(LOOPBACK, "C++", "hp:int8ag+int8rs")
     if ok(int8):
         share = int8["wire_bytes_per_step"] / zero3_bytes(int8)
-        rep.target(("quantized: int8 AG + RS bytes per step <= 0.3x fp32 ZeRO-3", fmt(share, 3),
-                    at_most(share, 0.3, 3)))
+        rep.target(
+            (
+                "quantized: int8 AG + RS bytes per step <= 0.3x fp32 ZeRO-3",
+                fmt(share, 3),
+                at_most(share, 0.3, 3),
+            )
+        )
     for variant, full, name in QUANTIZED:
         quantized, plain = rep.find(LOOPBACK, "C++", variant), rep.find(LOOPBACK, "C++", full)
         if ok(quantized) and ok(plain):
             cost = quantized["step_ms"] / plain["step_ms"] - 1
-            rep.target((f"quantized: loopback step cost of int8 AG + RS <= 10%, {name}",
-                        f"{fmt(100 * cost, 1)}%",
-                        "met" if cost <= 0.10 else f"missed by {fmt(100 * (cost - 0.10), 1)} points"))
+            rep.target(
+                (
+                    f"quantized: loopback step cost of int8 AG + RS <= 10%, {name}",
+                    f"{fmt(100 * cost, 1)}%",
+                    "met" if cost <= 0.10 else f"missed by {fmt(100 * (cost - 0.10), 1)} points",
+                )
+            )
     for variant, full, name in QUANTIZED:
         n_int8, n_base = rep.find(NETNS, "C++", variant), rep.find(NETNS, "C++", full)
         if ok(n_int8) and ok(n_base):
             q = n_int8["step_ms"] / n_base["step_ms"]
-            rep.target((f"quantized: bandwidth-limited int8 step <= 0.4x full precision, {name}",
-                        fmt(q, 2), at_most(q, 0.4)))
+            rep.target(
+                (
+                    f"quantized: bandwidth-limited int8 step <= 0.4x full precision, {name}",
+                    fmt(q, 2),
+                    at_most(q, 0.4),
+                )
+            )
         if ok(n_int8) and ok(fsdp2):
             q = n_int8["step_ms"] / fsdp2["step_ms"]
-            rep.target((f"quantized: bandwidth-limited int8 step <= 0.3x FSDP2, {name}", fmt(q, 2),
-                        at_most(q, 0.3)))
+            rep.target(
+                (
+                    f"quantized: bandwidth-limited int8 step <= 0.3x FSDP2, {name}",
+                    fmt(q, 2),
+                    at_most(q, 0.3),
+                )
+            )

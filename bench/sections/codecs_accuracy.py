@@ -8,8 +8,13 @@ import statistics
 from reporting.formatting import fmt
 from reporting.loss_curves import loss_curves_svg
 
-CODECS = [("none", "fp32"), ("int8", "int8 + int8"), ("int8-ef", "int8 + int8, error feedback"),
-          ("fp8", "fp8 + fp8"), ("fp8-int8", "fp8 weights + int8 gradients")]
+CODECS = [
+    ("none", "fp32"),
+    ("int8", "int8 + int8"),
+    ("int8-ef", "int8 + int8, error feedback"),
+    ("fp8", "fp8 + fp8"),
+    ("fp8-int8", "fp8 weights + int8 gradients"),
+]
 
 
 def read_metrics(path):
@@ -36,7 +41,8 @@ class Accuracy:
             validation = [m["validation_loss"] for m in records if "validation_loss" in m]
             if r.get("error") or not validation:
                 self.failures.append(
-                    f"{codec} seed {seed}: {r.get('error') or 'no metrics in ' + r['metrics']}")
+                    f"{codec} seed {seed}: {r.get('error') or 'no metrics in ' + r['metrics']}"
+                )
                 continue
             self.final.setdefault(codec, {})[seed] = validation[-1]
             self.seconds.setdefault(codec, []).append(r.get("seconds", 0))
@@ -57,9 +63,11 @@ def write(rep, args, runs):
     relative, spread = means_table(rep, acc)
     if len(acc.full) > 1:
         low, high = min(acc.full.values()), max(acc.full.values())
-        rep.p(f"Full precision alone ends between {fmt(low, 4)} and {fmt(high, 4)} over these seeds "
-              f"({fmt(100 * (high / low - 1), 2)}% apart): one run's difference to another is mostly "
-              "the seed's, and only a mean over seeds says what a codec costs.")
+        rep.p(
+            f"Full precision alone ends between {fmt(low, 4)} and {fmt(high, 4)} over these seeds "
+            f"({fmt(100 * (high / low - 1), 2)}% apart): one run's difference to another is mostly "
+            "the seed's, and only a mean over seeds says what a codec costs."
+        )
         rep.p()
     if acc.failures:
         rep.p("Failed: " + "; ".join(acc.failures) + ".")
@@ -67,7 +75,9 @@ def write(rep, args, runs):
     svg = os.path.join(os.path.dirname(args.out), "codecs_loss.svg")
     named = [(title, acc.curves[codec]) for codec, title in CODECS if codec in acc.curves]
     if loss_curves_svg(named, svg):
-        rep.p(f"![training and validation loss with full-precision and quantized collectives, seed {acc.seeds[0]}](codecs_loss.svg)")
+        rep.p(
+            f"![training and validation loss with full-precision and quantized collectives, seed {acc.seeds[0]}](codecs_loss.svg)"
+        )
         rep.p()
     targets(rep, acc, relative, spread)
 
@@ -110,11 +120,15 @@ def means_table(rep, acc):
     relative difference to full precision's and the standard error of the differences,
     per codec."""
     p, seeds, full = rep.p, acc.seeds, acc.full
-    p("Over the seeds: the mean final loss against full precision's, and the per-seed "
-      "differences (mean ± standard error; a codec's cost is resolved to about twice the "
-      "standard error):")
+    p(
+        "Over the seeds: the mean final loss against full precision's, and the per-seed "
+        "differences (mean ± standard error; a codec's cost is resolved to about twice the "
+        "standard error):"
+    )
     p()
-    p("| collectives | mean loss | mean / full precision | per-seed difference | seeds worse | run s |")
+    p(
+        "| collectives | mean loss | mean / full precision | per-seed difference | seeds worse | run s |"
+    )
     p("|---|---:|---:|---:|---:|---:|")
     full_mean = sum(full.values()) / len(full) if len(full) == len(seeds) else None
     relative, spread = {}, {}
@@ -127,13 +141,14 @@ def means_table(rep, acc):
         difference = worse = "–"
         if codec != "none" and len(paired) > 1:
             spread[codec] = statistics.stdev(paired) / len(paired) ** 0.5
-            difference = (f"{100 * statistics.mean(paired):+.2f}% ± "
-                          f"{100 * spread[codec]:.2f}%")
+            difference = f"{100 * statistics.mean(paired):+.2f}% ± {100 * spread[codec]:.2f}%"
             worse = f"{sum(d > 0 for d in paired)} of {len(paired)}"
         seconds = acc.seconds[codec]
-        p(f"| {title} | **{fmt(mean, 4)}** | "
-          f"{fmt(mean / full_mean if mean and full_mean else None, 4)} | {difference} | "
-          f"{worse} | {fmt(sum(seconds) / len(seconds), 0)} |")
+        p(
+            f"| {title} | **{fmt(mean, 4)}** | "
+            f"{fmt(mean / full_mean if mean and full_mean else None, 4)} | {difference} | "
+            f"{worse} | {fmt(sum(seconds) / len(seconds), 0)} |"
+        )
     p()
     return relative, spread
 
@@ -143,9 +158,17 @@ def targets(rep, acc, relative, spread):
     for codec in ("int8", "int8-ef", "fp8", "fp8-int8"):
         if codec in relative:
             rel = relative[codec]
-            verdict = "met" if abs(rel) <= 0.01 else (
-                "outside 1%, but lower (better) than full precision" if rel < 0 else "missed")
+            verdict = (
+                "met"
+                if abs(rel) <= 0.01
+                else ("outside 1%, but lower (better) than full precision" if rel < 0 else "missed")
+            )
             error = f" (± {fmt(100 * spread[codec], 2)}%)" if codec in spread else ""
-            rep.target((f"quantized: {codec} validation loss within 1% of full precision, "
-                        f"mean of {len(acc.seeds)} seeds",
-                        f"{'+' if rel >= 0 else ''}{fmt(100 * rel, 2)}%{error}", verdict))
+            rep.target(
+                (
+                    f"quantized: {codec} validation loss within 1% of full precision, "
+                    f"mean of {len(acc.seeds)} seeds",
+                    f"{'+' if rel >= 0 else ''}{fmt(100 * rel, 2)}%{error}",
+                    verdict,
+                )
+            )

@@ -76,14 +76,18 @@ def method(rep, args):
 def table(rep):
     """The table of every variant; returns (source, variant, overlap efficiency) of those
     that have one."""
-    rep.p("| variant | fwd ms | bwd ms | step ms (p25–p75) | CPU ms | exposed comm ms | overlap efficiency |")
+    rep.p(
+        "| variant | fwd ms | bwd ms | step ms (p25–p75) | CPU ms | exposed comm ms | overlap efficiency |"
+    )
     rep.p("|---|---:|---:|---:|---:|---:|---:|")
     comm_gloo = rep.find(LABEL, "C++", "comm:keep+gloo")
     # Each variant against the serial communication of its own messages.
-    comm_of = {(False, False): rep.find(LABEL, "C++", "comm"),
-               (True, False): rep.find(LABEL, "C++", "comm:keep"),
-               (False, True): rep.find(LABEL, "C++", "comm:fusion"),
-               (True, True): rep.find(LABEL, "C++", "comm:fusion+keep")}
+    comm_of = {
+        (False, False): rep.find(LABEL, "C++", "comm"),
+        (True, False): rep.find(LABEL, "C++", "comm:keep"),
+        (False, True): rep.find(LABEL, "C++", "comm:fusion"),
+        (True, True): rep.find(LABEL, "C++", "comm:fusion+keep"),
+    }
     effs = []
     for src, variant, title, r in rep.rows(LABEL, columns=7):
         t_comp = fwd_bwd(rep.find(LABEL, src, "local"))

@@ -52,7 +52,9 @@ def rows(rep, n):
         if not variant.startswith(("local", "comm")) and ok(local):
             over = per_block_us(r["step_ms"] - local["step_ms"])
         short = title.replace(", RAF=true (defaults)", "").replace(", RAF=true", "")
-        short = short.replace(", RAF=false", "").replace("communication only, serial", "communication only")
+        short = short.replace(", RAF=false", "").replace(
+            "communication only, serial", "communication only"
+        )
         rep.p(
             f"| {n} | {short} | {fmt(r['fwd_ms'], 2)} | {fmt(r['bwd_ms'], 2)} | "
             f"{fmt(r['opt_ms'], 2)} | {step_cell(r)} | "

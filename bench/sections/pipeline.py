@@ -145,9 +145,7 @@ def schedules_table(rep, sched, m):
     )
     p("|---|---:|---:|---:|---:|---:|---|---|")
     for key, title in SCHEDULES:
-        r = next(
-            (x for x in sched if x["schedule"] == key and x["microbatches"] == m), None
-        )
+        r = next((x for x in sched if x["schedule"] == key and x["microbatches"] == m), None)
         if r is None:
             continue
         found[(key, m)] = r
@@ -207,9 +205,7 @@ def split_table(rep, split):
     both = bi + bw
     p("### Zero-bubble schedules: the split backward")
     p()
-    p(
-        "| backward of 2 decoder blocks (dim 512, ffn 2048, 8 x 128 tokens) | ms |"
-    )
+    p("| backward of 2 decoder blocks (dim 512, ffn 2048, 8 x 128 tokens) | ms |")
     p("|---|---:|")
     p(f"| whole (`torch::autograd::backward`) | **{fmt(whole)}** |")
     p(f"| input-gradient half B (`autograd::grad` to the input, graph kept) | {fmt(bi)} |")
@@ -286,11 +282,9 @@ def activations_target(rep, s, gp, one):
     bound = s / one["microbatches"]
     rep.target(
         (
-            f"1F1B peak activations <= S/M of GPipe's (rank 0, S = {s}, "
-            f"M = {one['microbatches']})",
+            f"1F1B peak activations <= S/M of GPipe's (rank 0, S = {s}, M = {one['microbatches']})",
             f"{fmt(o0, 0)} vs {fmt(g0, 0)} MiB = {fmt(o0 / g0, 2)} (S/M = {fmt(bound, 2)})",
-            "met" if o0 <= bound * g0 + 1e-9
-            else f"missed ({fmt(o0 / g0, 2)} > {fmt(bound, 2)})",
+            "met" if o0 <= bound * g0 + 1e-9 else f"missed ({fmt(o0 / g0, 2)} > {fmt(bound, 2)})",
         )
     )
 

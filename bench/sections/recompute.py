@@ -32,8 +32,7 @@ def write(rep, args):
         f"variants run in turn within each step, means of {r['steps']} steps after 1 warm-up "
         "step. Early stop ends a block's rerun once it has saved the last tensor its forward "
         "saved: the input of the MLP's down projection, which the matmul saves before it "
-        "computes, so the rerun skips that matmul and the residual add. "
-        + rep.made_by("recompute")
+        "computes, so the rerun skips that matmul and the residual add. " + rep.made_by("recompute")
     )
     p()
     base = v["none"]

@@ -86,7 +86,9 @@ def ratios(rep, label):
         "fusion/pp": cpp_ratio("hp:fusion", "hp"),
         "pf/nopf": cpp_ratio("hp", "hp:nopf"),
         "keep/raf": cpp_ratio("hp:keep", "hp"),
-        "fused/opt": optimizer_ratio(rep.find(label, "C++", "hp:fusedopt"), rep.find(label, "C++", "hp")),
+        "fused/opt": optimizer_ratio(
+            rep.find(label, "C++", "hp:fusedopt"), rep.find(label, "C++", "hp")
+        ),
         "vs_fsdp2": versus(
             rep.best(label, "C++", ["hp:keep", "hp:fusion+keep"]),
             rep.best(label, "Python", ["fsdp2", "fsdp2:prefetch"]),

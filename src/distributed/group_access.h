@@ -3,10 +3,14 @@
 // they issue on, and how what they issue there fails. Kept out of process_group.h: users
 // communicate through collectives.h, never on a backend directly.
 
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hyperparallel/comm_handle.h"
 #include "hyperparallel/process_group.h"
@@ -19,6 +23,15 @@ namespace hp::detail {
 
 // Befriended by Group.
 struct GroupAccess {
+  // A group over backends made elsewhere (torch.distributed's, for the Python front-end): no
+  // World and no store of its own, so a failure is explained without asking the other
+  // members which of them reached it. Null backends: a one-rank group that does not
+  // communicate.
+  static GroupPtr adopt(std::string name, std::vector<int64_t> ranks, int64_t rank_in_group,
+                        c10::Device device, c10::intrusive_ptr<c10d::Backend> cpu_backend,
+                        c10::intrusive_ptr<c10d::Backend> cuda_backend,
+                        std::chrono::milliseconds timeout);
+
   // The backend for tensors on `device_type`: Gloo for CPU, NCCL for CUDA (when built
   // with CUDA). Throws for groups that do not communicate(), for devices it has none for,
   // and once its World was shut down.

@@ -105,6 +105,18 @@ c10d::Backend& detail::GroupAccess::backend(const Group& group, c10::DeviceType 
                                   "cuda:LOCAL_RANK)");
 }
 
+GroupPtr detail::GroupAccess::adopt(std::string name, std::vector<int64_t> ranks,
+                                    int64_t rank_in_group, c10::Device device,
+                                    c10::intrusive_ptr<c10d::Backend> cpu_backend,
+                                    c10::intrusive_ptr<c10d::Backend> cuda_backend,
+                                    std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(rank_in_group >= 0 && rank_in_group < static_cast<int64_t>(ranks.size()),
+                    "group '", name, "': rank ", rank_in_group, " is not one of its ", ranks.size(),
+                    " members");
+  return GroupPtr(new Group(std::move(name), std::move(ranks), rank_in_group, device,
+                            std::move(cpu_backend), std::move(cuda_backend), nullptr, timeout));
+}
+
 CommFailure detail::GroupAccess::on_failure(const Group& group, std::string operation,
                                             const c10d::Backend& backend) {
   const int64_t number = ++group.collectives_issued_;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <set>
 #include <string>
+#include <tuple>
 
 #include "hyperparallel/parallel_slice.h"
 #include "state_registry.h"
@@ -37,6 +38,7 @@ FSDPMeshInfo resolve_mesh(const std::optional<DeviceMesh>& requested) {
   DeviceMesh mesh = requested ? *requested : default_mesh();
   FSDPMeshInfo mesh_info;
   mesh_info.world = mesh.world();
+  mesh_info.device = mesh.world()->device();
   // Reduce-scatters get their own group over the shard ranks, created once per shard
   // group by every member (in fully_shard order, the same on all ranks).
   auto reduce_group_of = [&](const GroupPtr& shard) {
@@ -124,24 +126,6 @@ namespace {
 using Keys = std::set<const c10::TensorImpl*>;
 using NamedParams = std::vector<std::pair<std::string, at::Tensor>>;
 
-// The parameters of `modules` by qualified name ("i." prefixed for several modules), and
-// those a fully_shard-ed submodule manages (they belong to it, whole subtree included).
-std::pair<NamedParams, Keys> candidate_params(const std::vector<ModulePtr>& modules) {
-  NamedParams candidates;
-  Keys taken;
-  for (size_t i = 0; i < modules.size(); ++i) {
-    for (const auto& item : modules[i]->named_modules("", /*include_self=*/false)) {
-      if (!state_of(item.value().get())) continue;
-      for (const auto& p : item.value()->parameters()) taken.insert(key(p));
-    }
-    const std::string prefix = modules.size() > 1 ? std::to_string(i) + "." : "";
-    for (const auto& item : modules[i]->named_parameters()) {
-      candidates.emplace_back(prefix + item.key(), item.value());
-    }
-  }
-  return {std::move(candidates), std::move(taken)};
-}
-
 // The keys of `params` (ignored_params or replicate_params), each a candidate.
 Keys keys_of_candidates(const std::vector<at::Tensor>& params, const NamedParams& candidates,
                         const char* what) {
@@ -157,9 +141,10 @@ Keys keys_of_candidates(const std::vector<at::Tensor>& params, const NamedParams
 }
 
 // Parameters another fully_shard call already manages (an ancestor sharded first).
-void check_not_managed_elsewhere(const NamedParams& candidates, const Keys& taken) {
+void check_not_managed_elsewhere(const NamedParams& candidates, const Keys& taken,
+                                 const std::vector<StatePtr>& existing) {
   Keys managed_elsewhere;
-  for (const auto& state : all_states()) {
+  for (const auto& state : existing) {
     for (const auto& p : state->param_group().params())
       managed_elsewhere.insert(key(p->variable()));
     for (const auto& r : state->param_group().replicated())
@@ -203,7 +188,7 @@ ParamPolicy param_policy(const FullyShardOptions& options, const FSDPMeshInfo& m
   policy.fp32_main_grad = options.mp_policy.apply_grad_on_fp32_main_grad;
   policy.offload = options.offload_policy.offload;
   policy.pin_memory = options.offload_policy.pin_memory;
-  policy.mesh_device = mesh_info.world->device();
+  policy.mesh_device = mesh_info.device;
   policy.shard_group_communicates = mesh_info.shard->communicates();
   return policy;
 }
@@ -224,25 +209,62 @@ Placement placement_of(const std::string& name, const at::Tensor& param, bool re
   return Placement::shard(dim);
 }
 
+void check_options(const FullyShardOptions& options) {
+  TORCH_CHECK_VALUE(options.comm_policy.block_size > 0,
+                    "comm_policy.block_size must be > 0 (values per quantization scale), got ",
+                    options.comm_policy.block_size);
+  TORCH_CHECK_VALUE(!options.comm_policy.error_feedback ||
+                        options.comm_policy.reduce_scatter_codec != CommCodec::kNone,
+                    "comm_policy.error_feedback keeps the quantized reduce-scatter's residual, "
+                    "and comm_policy.reduce_scatter_codec is none: set a codec or turn error "
+                    "feedback off");
+  TORCH_CHECK_VALUE(options.comm_fusion_bucket_bytes >= 0,
+                    "comm_fusion_bucket_bytes must be >= 0 (0: one collective per module), got ",
+                    options.comm_fusion_bucket_bytes);
+  TORCH_CHECK_VALUE(options.comm_fusion || options.comm_fusion_bucket_bytes == 0,
+                    "comm_fusion_bucket_bytes sizes the collectives of comm_fusion, which is "
+                    "off: set comm_fusion = true or leave comm_fusion_bucket_bytes at 0");
+}
+
 }  // namespace
 
-ManagedParams managed_params(const std::vector<ModulePtr>& modules,
-                             const FullyShardOptions& options, const FSDPMeshInfo& mesh_info) {
-  auto [candidates, taken] = candidate_params(modules);
-  check_not_managed_elsewhere(candidates, taken);
-  const Keys ignored = keys_of_candidates(options.ignored_params, candidates, "ignored_params");
-  const Keys replicated =
-      keys_of_candidates(options.replicate_params, candidates, "replicate_params");
-  Keys skipped = taken;
-  skipped.insert(ignored.begin(), ignored.end());
-  check_parallel_slices(candidates, skipped, mesh_info);
+CandidateParams candidate_params(const std::vector<ModulePtr>& modules) {
+  CandidateParams candidates;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    for (const auto& item : modules[i]->named_modules("", /*include_self=*/false)) {
+      if (!state_of(item.value().get())) continue;
+      for (const auto& p : item.value()->parameters()) candidates.taken.insert(key(p));
+    }
+    const std::string prefix = modules.size() > 1 ? std::to_string(i) + "." : "";
+    for (const auto& item : modules[i]->named_parameters()) {
+      candidates.named.emplace_back(prefix + item.key(), item.value());
+    }
+  }
+  return candidates;
+}
 
-  const ParamPolicy policy = param_policy(options, mesh_info);
-  ManagedParams managed;
+ManagedParams managed_params(const CandidateParams& candidates, const FullyShardOptions& options,
+                             const FSDPMeshInfo& mesh_info, const std::vector<StatePtr>& existing) {
+  const NamedParams& named = candidates.named;
+  check_not_managed_elsewhere(named, candidates.taken, existing);
+  const Keys ignored = keys_of_candidates(options.ignored_params, named, "ignored_params");
+  const Keys replicated = keys_of_candidates(options.replicate_params, named, "replicate_params");
+  Keys skipped = candidates.taken;
+  skipped.insert(ignored.begin(), ignored.end());
+  check_parallel_slices(named, skipped, mesh_info);
+
+  // Every placement is checked before the first parameter is sharded.
+  std::vector<std::tuple<std::string, at::Tensor, Placement>> placed;
   Keys seen;  // a tied parameter is managed once
-  for (const auto& [name, param] : candidates) {
+  for (const auto& [name, param] : named) {
     if (skipped.count(key(param)) || !seen.insert(key(param)).second) continue;
-    const Placement placement = placement_of(name, param, replicated.count(key(param)), options);
+    placed.emplace_back(name, param,
+                        placement_of(name, param, replicated.count(key(param)), options));
+  }
+  ParamPolicy policy = param_policy(options, mesh_info);
+  policy.meta_moved_by_front_end = candidates.meta_moved_by_front_end;
+  ManagedParams managed;
+  for (const auto& [name, param, placement] : placed) {
     if (placement.is_replicate()) {
       managed.replicated.emplace_back(name, param, policy);
     } else {
@@ -253,9 +275,23 @@ ManagedParams managed_params(const std::vector<ModulePtr>& modules,
   return managed;
 }
 
-void move_states_to_mesh_device(const std::vector<ModulePtr>& modules,
-                                std::vector<ReplicatedParam>& replicated, c10::Device device) {
-  for (auto& replica : replicated) move_to_mesh_device(replica.variable, device);
+StatePtr build_state(const CandidateParams& candidates, const FullyShardOptions& options,
+                     const FSDPMeshInfo& mesh_info,
+                     std::pair<std::optional<bool>, GroupPtr> reshard_after_forward,
+                     const std::vector<StatePtr>& existing,
+                     std::function<std::vector<LabeledState>()> subtree) {
+  check_options(options);
+  ManagedParams managed = managed_params(candidates, options, mesh_info, existing);
+  for (auto& replica : managed.replicated) move_to_mesh_device(replica.variable, mesh_info.device);
+  auto param_group = std::make_unique<FSDPParamGroup>(
+      std::move(managed.sharded), std::move(managed.replicated), mesh_info,
+      CommFusion{options.comm_fusion, options.comm_fusion_bucket_bytes}, options.comm_policy);
+  param_group->set_post_forward_group(std::move(reshard_after_forward.second));
+  return std::make_shared<FSDPState>(std::move(param_group), options.mp_policy,
+                                     reshard_after_forward.first, std::move(subtree));
+}
+
+void move_buffers_to_mesh_device(const std::vector<ModulePtr>& modules, c10::Device device) {
   for (const auto& module : modules) {
     for (const auto& buffer : module->buffers()) move_to_mesh_device(buffer, device);
   }

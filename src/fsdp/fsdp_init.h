@@ -7,8 +7,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
+#include <set>
+#include <string>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -30,19 +33,41 @@ FSDPMeshInfo resolve_mesh(const std::optional<DeviceMesh>& requested);
 std::pair<std::optional<bool>, GroupPtr> resolve_reshard_after_forward(
     const std::optional<std::variant<bool, int64_t>>& option, const FSDPMeshInfo& mesh_info);
 
-// The parameters a fully_shard call over `modules` manages: the sharded ones and those
-// every rank holds whole (replicate_params, Replicate() placements, scalars).
+// The parameters offered to one fully_shard call, from the front-end's modules: by qualified
+// name ("i." prefixed for several modules), and those a fully_shard-ed submodule manages
+// (they belong to it, whole subtree included).
+struct CandidateParams {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::set<const c10::TensorImpl*> taken;
+  // The front-end moves meta parameters itself (ParamPolicy::meta_moved_by_front_end).
+  bool meta_moved_by_front_end = false;
+};
+CandidateParams candidate_params(const std::vector<ModulePtr>& modules);
+
+// The parameters a fully_shard call manages: the sharded ones and those every rank holds
+// whole (replicate_params, Replicate() placements, scalars). `existing`: the states of
+// earlier calls, whose parameters cannot be managed twice.
 struct ManagedParams {
   std::vector<std::unique_ptr<FSDPParam>> sharded;
   std::vector<ReplicatedParam> replicated;
 };
-ManagedParams managed_params(const std::vector<ModulePtr>& modules,
-                             const FullyShardOptions& options, const FSDPMeshInfo& mesh_info);
+ManagedParams managed_params(const CandidateParams& candidates, const FullyShardOptions& options,
+                             const FSDPMeshInfo& mesh_info, const std::vector<StatePtr>& existing);
 
-// The module states a call does not shard (replicated parameters, buffers) follow the
-// sharded ones to a GPU mesh's device (FSDP2's move of module states).
-void move_states_to_mesh_device(const std::vector<ModulePtr>& modules,
-                                std::vector<ReplicatedParam>& replicated, c10::Device device);
+// The state of one fully_shard call, for every front-end (C++ modules, Python modules):
+// checks the options, places the candidates, moves replicated parameters to the mesh's
+// device. `reshard_after_forward` as resolve_reshard_after_forward returns it; `subtree`
+// lists the states of the call's modules' subtrees (FSDPState). A call that throws leaves
+// the parameters as they were.
+StatePtr build_state(const CandidateParams& candidates, const FullyShardOptions& options,
+                     const FSDPMeshInfo& mesh_info,
+                     std::pair<std::optional<bool>, GroupPtr> reshard_after_forward,
+                     const std::vector<StatePtr>& existing,
+                     std::function<std::vector<LabeledState>()> subtree);
+
+// The buffers of the modules a call shards follow the parameters to a GPU mesh's device
+// (FSDP2's move of module states).
+void move_buffers_to_mesh_device(const std::vector<ModulePtr>& modules, c10::Device device);
 
 // The states of the subtrees of `roots`, named by module path ("" for a root).
 std::vector<LabeledState> states_in_subtree(

@@ -60,9 +60,10 @@ namespace {
 
 // A deferred (meta) parameter lives where its recorded construction put it; one on the
 // CPU moves to the mesh's GPU, if it has one.
-c10::Device compute_device_for(const at::Tensor& variable, c10::Device mesh_device) {
+c10::Device compute_device_for(const at::Tensor& variable, const ParamPolicy& policy) {
+  if (variable.is_meta() && policy.meta_moved_by_front_end) return variable.device();
   const c10::Device device = deferred_device(variable).value_or(variable.device());
-  return device.is_cpu() && mesh_device.is_cuda() ? mesh_device : device;
+  return device.is_cpu() && policy.mesh_device.is_cuda() ? policy.mesh_device : device;
 }
 
 }  // namespace
@@ -75,10 +76,17 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
       orig_dtype_(variable_.scalar_type()),
       param_dtype_(policy.param_dtype.value_or(variable_.scalar_type())),
       policy_(policy),
-      compute_device_(compute_device_for(variable_, policy.mesh_device)) {
+      compute_device_(compute_device_for(variable_, policy)) {
   c10::NoGradGuard no_grad;
+  make_storage();
+  if (!variable_.is_meta()) load_full(variable_.detach());
+  point_variable_at_shard();
+  if (variable_.requires_grad()) report_gradients_on_shard();
+}
+
+void FSDPParam::make_storage() {
   at::TensorOptions shard_options =
-      variable_.options().device(compute_device_).requires_grad(false);
+      at::TensorOptions().dtype(orig_dtype_).device(compute_device_).requires_grad(false);
   if (policy_.offload) {
     shard_options = shard_options.device(at::kCPU);
     shard_options = shard_options.pinned_memory(offloads_pinned());
@@ -86,29 +94,49 @@ FSDPParam::FSDPParam(std::string name, at::Tensor variable, int64_t shard_dim, i
   padded_shard_ = at::zeros({layout_.padded_numel}, shard_options);
   sharded_view_ =
       padded_shard_.view(layout_.padded_local_shape).narrow(layout_.dim, 0, layout_.local);
-  if (!unsharded_aliases_shard()) {
-    const at::TensorOptions options =
-        shard_options.device(compute_device_).dtype(param_dtype_).pinned_memory(false);
-    if (gathers_in_place()) {
-      unsharded_flat_ = at::empty({layout_.shards * layout_.padded_numel}, options);
-      std::vector<int64_t> padded_full = layout_.padded_local_shape;
-      padded_full[0] = layout_.chunk * layout_.shards;
-      unsharded_param_ = unsharded_flat_.view(padded_full).narrow(0, 0, layout_.global_shape[0]);
-    } else {
-      unsharded_param_ = at::empty(layout_.global_shape, options);
-      unsharded_flat_ = unsharded_param_.view(-1);
-    }
-    free_storage(unsharded_param_);  // allocated by the first unshard
+  unsharded_param_ = unsharded_flat_ = at::Tensor();
+  if (unsharded_aliases_shard()) return;
+  const at::TensorOptions options =
+      shard_options.device(compute_device_).dtype(param_dtype_).pinned_memory(false);
+  if (gathers_in_place()) {
+    unsharded_flat_ = at::empty({layout_.shards * layout_.padded_numel}, options);
+    std::vector<int64_t> padded_full = layout_.padded_local_shape;
+    padded_full[0] = layout_.chunk * layout_.shards;
+    unsharded_param_ = unsharded_flat_.view(padded_full).narrow(0, 0, layout_.global_shape[0]);
+  } else {
+    unsharded_param_ = at::empty(layout_.global_shape, options);
+    unsharded_flat_ = unsharded_param_.view(-1);
   }
-  if (variable_.is_meta()) {
-    // Deferred: materialize() fills the shard later. set_data refuses meta -> real
-    // (incompatible tensor types), so the variable takes over the shard in place.
+  free_storage(unsharded_param_);  // allocated by the first unshard
+}
+
+void FSDPParam::point_variable_at_shard() {
+  if (variable_.is_meta() || sharded_view_.is_meta()) {
+    // To or from a deferred (meta) tensor: set_data refuses it (incompatible tensor types),
+    // so the variable takes over the shard in place.
     variable_.unsafeGetTensorImpl()->shallow_copy_from(sharded_view_.getIntrusivePtr());
   } else {
-    load_full(variable_.detach());
     variable_.set_data(sharded_view_);
   }
-  if (variable_.requires_grad()) report_gradients_on_shard();
+}
+
+void FSDPParam::move_shard(const at::Tensor& local) {
+  TORCH_CHECK(!status_->unsharded, "parameter '", name_,
+              "' is unsharded: reshard() its module before moving or casting it");
+  TORCH_CHECK_VALUE(local.sizes().vec() == layout_.local_shape(), "parameter '", name_,
+                    "': the new local shard has shape ", c10::str(local.sizes()), ", its shard ",
+                    c10::str(layout_.local_shape()));
+  c10::NoGradGuard no_grad;
+  orig_dtype_ = local.scalar_type();
+  param_dtype_ = policy_.param_dtype.value_or(orig_dtype_);
+  compute_device_ = compute_device_for(local, policy_);
+  make_storage();
+  if (!local.is_meta()) load_local(local);
+  point_variable_at_shard();
+  // What belonged to the old shard does not carry over.
+  variable_.mutable_grad() = at::Tensor();
+  accumulated_unsharded_grad_ = main_grad_ = residual_ = at::Tensor();
+  grad_is_partial_ = false;
 }
 
 void FSDPParam::report_gradients_on_shard() {

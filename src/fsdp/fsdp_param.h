@@ -33,6 +33,9 @@ struct ParamPolicy {
   c10::Device mesh_device = c10::Device(c10::DeviceType::CPU);
   // Whether unsharding all-gathers (Group::communicates(), also for one shard rank).
   bool shard_group_communicates = false;
+  // Meta parameters stay meta until the front-end moves them (module.to_empty() and
+  // move_shard), instead of being hp::deferred_init's to materialize.
+  bool meta_moved_by_front_end = false;
 };
 
 // Where dim `dim` of `global_shape` is cut into `shards` chunks of `chunk` entries; this
@@ -129,6 +132,12 @@ class FSDPParam {
   void load_local(const at::Tensor& local);
   // The local shard in the parameter's own dtype and shape (a view of the padded shard).
   const at::Tensor& sharded_view() const { return sharded_view_; }
+  // Moves the shard to `local`'s device and dtype and takes its values (shaped as
+  // local_shape()): the padded shard, the unsharded buffers and the variable follow, the
+  // gradients and the error-feedback residual of the old shard are dropped. For a front-end
+  // whose module was moved or cast (module.to(), to_empty() after meta-device init); only
+  // while sharded.
+  void move_shard(const at::Tensor& local);
   // Throws when the variable no longer holds the shard while sharded: something outside
   // fully_shard (module->to(), set_data) replaced it, and the next unshard would undo it.
   void check_variable_holds_shard() const;
@@ -175,6 +184,11 @@ class FSDPParam {
   void set_residual(const at::Tensor& residual);
 
  private:
+  // The padded shard, its view and the unsharded buffers, for orig_dtype_ and
+  // compute_device_ (the shard zero, the unsharded storage not allocated yet).
+  void make_storage();
+  // The variable holds the shard's data (sharded_view_).
+  void point_variable_at_shard();
   // Whether unsharding needs no buffer of its own: one shard rank that does not
   // communicate, no cast, no move.
   bool unsharded_aliases_shard() const;

@@ -41,7 +41,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params,
       mesh_info_(std::move(mesh_info)),
       comm_fusion_(comm_fusion),
       comm_policy_(comm_policy),
-      streams_(std::make_shared<CommStreams>(mesh_info_.world->device())) {
+      streams_(std::make_shared<CommStreams>(mesh_info_.device)) {
   if (comm_fusion_.enabled) {
     for (const auto& p : params_) {
       if (p->param_dtype() != params_.front()->param_dtype()) {

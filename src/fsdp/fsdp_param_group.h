@@ -25,12 +25,14 @@ namespace hp::detail {
 // Process groups of one fully_shard call. All-gather, reduce-scatter and all-reduce
 // each have their own group, so that all three can be in flight at once.
 struct FSDPMeshInfo {
+  // Null when the groups are adopted from torch.distributed (the Python front-end).
   std::shared_ptr<World> world;
   std::vector<std::string> dims;  // the mesh's dimension names: (replicate,) shard
   GroupPtr shard;                 // the shard dimension (may have one rank): all-gathers
   GroupPtr shard_reduce;          // the same ranks: reduce-scatters
   GroupPtr replicate;             // the replicate dimension (one rank for 1-D FSDP)
   GroupPtr data_parallel;         // replicate x shard, for replicated parameters
+  c10::Device device = c10::Device(c10::DeviceType::CPU);  // where the mesh computes
 };
 
 // A parameter that every rank holds in full (replicate_params, or Replicate() from

@@ -109,7 +109,7 @@ void FSDPState::lazy_init_as_root() {
     driven.emplace_back(label, state);
   }
   // One set of communication streams for every module this root drives.
-  schedule_->set_root(shared_from_this(), param_group_->mesh_info().world->device());
+  schedule_->set_root(shared_from_this(), param_group_->mesh_info().device);
   for (auto& [label, state] : driven)
     state->join_schedule(schedule_, state.get() == this ? "root" : label);
 }
@@ -173,8 +173,12 @@ void FSDPState::begin_forward(const std::vector<at::Tensor*>& inputs) {
   // Forward prefetch: the next module's all-gather runs while this one computes.
   unshard_then_prefetch(forward_prefetch_, schedule_->next_in_forward(*this));
   if (mp_.cast_forward_inputs && mp_.param_dtype) cast_floating(inputs, *mp_.param_dtype);
-  if (c10::GradMode::is_enabled() && register_post_backward_hook(inputs, weak_from_this())) {
-    ++post_backward_hooks_pending_;
+  if (c10::GradMode::is_enabled()) {
+    if (register_post_backward_hook(inputs, weak_from_this())) {
+      ++post_backward_hooks_pending_;
+    } else {
+      forward_without_hook_ = true;
+    }
   }
 }
 
@@ -211,6 +215,7 @@ void FSDPState::reshard_after_error() noexcept {
 void FSDPState::abandon_backward() noexcept {
   training_state_ = TrainingState::kIdle;
   post_backward_hooks_pending_ = 0;
+  forward_without_hook_ = false;
   try {
     param_group_->discard_reduce();
   } catch (...) {  // secondary to the error being handled
@@ -276,12 +281,15 @@ void FSDPState::begin_backward() {
 }
 
 void FSDPState::post_backward_hook_fired() {
-  if (--post_backward_hooks_pending_ > 0) return;
+  // A module of this state whose inputs needed no gradient has no hook to say when its
+  // backward is done: the end of the whole backward reduces.
+  if (--post_backward_hooks_pending_ > 0 || forward_without_hook_) return;
   abandoning_backward_on_failure([this] { post_backward(); });
 }
 
 void FSDPState::post_backward() {
   post_backward_hooks_pending_ = 0;
+  forward_without_hook_ = false;
   if (training_state_ != TrainingState::kPreBackward) return;
   training_state_ = TrainingState::kPostBackward;
   trace::record(trace::Kind::kEnd, "backward", label_);

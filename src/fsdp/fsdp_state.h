@@ -85,7 +85,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   // --- what the schedule runs on each state of its tree ----------------------------
   // A new iteration: hooks registered by a forward whose backward never ran are dropped.
-  void forget_post_backward_hooks() { post_backward_hooks_pending_ = 0; }
+  void forget_post_backward_hooks() {
+    post_backward_hooks_pending_ = 0;
+    forward_without_hook_ = false;
+  }
   // At the end of backward, for a module whose post-backward hook never fired (its
   // inputs needed no gradient: the root, typically).
   void post_backward();
@@ -142,6 +145,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   TrainingState training_state_ = TrainingState::kIdle;
   int forward_depth_ = 0;                // >1 when several modules share this state
   int post_backward_hooks_pending_ = 0;  // registered in forward, not yet fired
+  bool forward_without_hook_ = false;    // a forward whose inputs needed no gradient
 };
 
 }  // namespace hp::detail

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every code block of the guide (docs/api.md) and of README.md is program text that is
+"""Every code block of the guides (docs/api.md, docs/python.md) and of README.md is program text that is
 built and run: a file the tests build, or an excerpt of one. The line directly above the
 block's opening fence names the file:
 
@@ -19,11 +19,12 @@ console, shell) are exempt: they are commands, not program text.
 
 Prints each block that does not hold; exit 1 if there is one.
 Usage: check_guide.py SOURCE_DIR"""
+
 import pathlib
 import re
 import sys
 
-DOCUMENTS = ["docs/api.md", "README.md"]
+DOCUMENTS = ["docs/api.md", "docs/python.md", "README.md"]
 QUOTABLE = ("examples/", "tests/package/consumer/")
 EXEMPT = {"sh", "bash", "console", "shell"}
 MARKER = re.compile(r"^<!-- from (\S+) -->$")
@@ -43,7 +44,7 @@ def blocks(text):
         end = i + 1
         while end < len(lines) and not FENCE.match(lines[end]):
             end += 1
-        yield i + 1, opening.group(1), lines[i - 1] if i else "", lines[i + 1:end]
+        yield i + 1, opening.group(1), lines[i - 1] if i else "", lines[i + 1 : end]
         i = end + 1
 
 
@@ -73,8 +74,10 @@ def find(part, file_lines, start):
         shift = shift[: len(shift) - len(part[head])]
         if shift.strip():
             continue
-        if all((file_lines[first + k] == shift + line) if line else not file_lines[first + k].strip()
-               for k, line in enumerate(part)):
+        if all(
+            (file_lines[first + k] == shift + line) if line else not file_lines[first + k].strip()
+            for k, line in enumerate(part)
+        ):
             return first + len(part)
     return None
 
@@ -98,8 +101,9 @@ def check_block(root, document, number, language, marker, block):
         after = find(part, file_lines, position)
         if after is None:
             shown = next(line for line in part if line).strip()
-            return (f"{where}: the lines from '{shown}' do not appear in a row in {source}"
-                    + (" after the part before them" if position else ""))
+            return f"{where}: the lines from '{shown}' do not appear in a row in {source}" + (
+                " after the part before them" if position else ""
+            )
         position = after
     return None
 
@@ -115,7 +119,9 @@ def main() -> int:
                 problems.append(problem)
     for problem in problems:
         print(problem)
-    print(f"{count} code blocks in {', '.join(DOCUMENTS)}: {len(problems)} not quoted from a built file")
+    print(
+        f"{count} code blocks in {', '.join(DOCUMENTS)}: {len(problems)} not quoted from a built file"
+    )
     return 1 if problems else 0
 
 

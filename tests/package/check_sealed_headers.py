@@ -6,6 +6,7 @@ in namespace detail is forward declarations only (definitions belong in detail/,
 headers exist for the templates that need them). Private members, friend declarations and
 the bodies of inline functions may use detail:: (that is what detail/ is for). Prints each
 breach; exit 1 if there is one. Usage: check_sealed_headers.py SOURCE_DIR"""
+
 import pathlib
 import re
 import sys
@@ -27,8 +28,11 @@ def code_only(text: str) -> str:
     """`text` with comments, literals and preprocessor lines blanked (newlines kept, so line
     numbers stay right)."""
     blank = lambda match: re.sub(r"[^\n]", " ", match.group(0))
-    pattern = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
-                         r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.S | re.M)
+    pattern = re.compile(
+        r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
+        r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*",
+        re.S | re.M,
+    )
     return pattern.sub(blank, text)
 
 
@@ -43,7 +47,7 @@ def without_template_head(declaration: str) -> str:
         elif char == ">":
             depth -= 1
             if depth == 0:
-                return declaration[i + 1:].strip()
+                return declaration[i + 1 :].strip()
     return declaration
 
 
@@ -72,13 +76,20 @@ def breaches(header: pathlib.Path, code: str) -> list:
         if not declaration or scope.kind == "body" or declaration.startswith("friend "):
             return
         if scope.shows() and re.search(r"\bdetail::", declaration):
-            found.append(f"{header}:{line}: names a detail:: type in a public declaration: "
-                         f"{declaration}")
+            found.append(
+                f"{header}:{line}: names a detail:: type in a public declaration: {declaration}"
+            )
         forward = not opens_braces and FORWARD_DECLARATION.match(declaration)
-        if (scope.in_detail and scope.kind == "namespace" and not forward
-                and not declaration.startswith("namespace")):
-            found.append(f"{header}:{line}: defines in namespace detail outside "
-                         f"include/hyperparallel/detail/: {declaration}")
+        if (
+            scope.in_detail
+            and scope.kind == "namespace"
+            and not forward
+            and not declaration.startswith("namespace")
+        ):
+            found.append(
+                f"{header}:{line}: defines in namespace detail outside "
+                f"include/hyperparallel/detail/: {declaration}"
+            )
 
     for i, char in enumerate(code):
         if not statement.strip() and not char.isspace():
@@ -115,8 +126,12 @@ def breaches(header: pathlib.Path, code: str) -> list:
         elif char == ";" and parens == 0:
             check(statement, start, opens_braces=False)
             statement = ""
-        elif (char == ":" and scopes[-1].kind == "class" and statement.strip() in ACCESS
-              and code[i + 1:i + 2] != ":"):
+        elif (
+            char == ":"
+            and scopes[-1].kind == "class"
+            and statement.strip() in ACCESS
+            and code[i + 1 : i + 2] != ":"
+        ):
             scopes[-1].access = statement.strip()
             statement = ""
         else:
