@@ -250,7 +250,8 @@ section_netns() {
 python_link_runs() {
   # shellcheck disable=SC2086
   launch "python/netns/d128L8/1x2" 2 bench/netns.sh exec $PY_BENCH $NETNS_MODEL \
-    --steps "$NETNS_STEPS" --warmup "$WARMUP" --variants fsdp2,hyperparallel,hyperparallel:int8
+    --steps "$NETNS_STEPS" --warmup "$WARMUP" \
+    --variants fsdp2,hyperparallel,hyperparallel:fusion,hyperparallel:int8,hyperparallel:fusion+int8
 }
 
 section_python() {
@@ -258,7 +259,8 @@ section_python() {
   for n in 2 4; do
     # shellcheck disable=SC2086
     launch "python/d256L4/1x$n" "$n" $PY_BENCH ${SIZE[d256L4]} $COMMON --mesh "1x$n" \
-      --steps "$STEPS" --warmup "$WARMUP" --variants local,fsdp2,hyperparallel,hyperparallel:raf
+      --steps "$STEPS" --warmup "$WARMUP" \
+      --variants local,fsdp2,hyperparallel,hyperparallel:raf,hyperparallel:fusion
   done
   export GLIBC_TUNABLES=$MEMORY_MALLOC
   for v in fsdp2 hyperparallel; do
@@ -268,7 +270,7 @@ section_python() {
   done
   export GLIBC_TUNABLES=$TIMING_MALLOC
   launch "python/tiny/1x2" 2 $PY_BENCH --model tiny --tiny-blocks 64 --batch 4 --steps 20 \
-    --warmup 3 --variants local,fsdp2,hyperparallel
+    --warmup 3 --variants local,fsdp2,hyperparallel,hyperparallel:fusion
   if [ "${BENCH_NETNS:-1}" = 0 ] || ! on_limited_link python_link_runs; then
     echo "  (bandwidth-limited part skipped: BENCH_NETNS=0 or no network namespaces)"
   fi

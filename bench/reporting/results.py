@@ -30,7 +30,13 @@ ROWS = [
     ("Python", "fsdp2:prefetch", "FSDP2 + async unshard + forward prefetch, RAF=false"),
     ("Python", "hyperparallel", "hyperparallel.fully_shard, RAF=false"),
     ("Python", "hyperparallel:raf", "hyperparallel.fully_shard, RAF=true"),
+    ("Python", "hyperparallel:fusion", "hyperparallel.fully_shard, comm_fusion, RAF=false"),
     ("Python", "hyperparallel:int8", "hyperparallel.fully_shard, int8 codecs, RAF=false"),
+    (
+        "Python",
+        "hyperparallel:fusion+int8",
+        "hyperparallel.fully_shard, comm_fusion, int8 codecs, RAF=false",
+    ),
 ]
 
 

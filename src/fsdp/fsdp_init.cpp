@@ -153,9 +153,10 @@ void check_not_managed_elsewhere(const NamedParams& candidates, const Keys& take
   for (const auto& [name, param] : candidates) {
     TORCH_CHECK_VALUE(taken.count(key(param)) || !managed_elsewhere.count(key(param)),
                       "parameter '", name,
-                      "' is already managed by another fully_shard call (of an "
-                      "ancestor?); apply fully_shard to submodules first, then to "
-                      "their ancestors");
+                      "' is already managed by another fully_shard call: an ancestor's "
+                      "(apply fully_shard to submodules first, then to their ancestors) or "
+                      "one whose module shares it (tied weights: fully_shard the modules "
+                      "sharing a parameter together, or their common ancestor)");
   }
 }
 
