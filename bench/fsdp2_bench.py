@@ -12,9 +12,10 @@ Variants (alternated step by step in one process, like hp_bench):
                     explicit forward prefetch of the next block
     fsdp2:raf       reshard_after_forward=True (failed in backward on CPU with torch 2.6)
     hyperparallel   hyperparallel.fully_shard (this project's Python package, on the C++
-                    core), the same calls as fsdp2; flags as fsdp2's (raf) and
-                    int8 (int8 all-gather and reduce-scatter with error feedback),
-                    fusion (comm_fusion), e.g. hyperparallel:raf+int8
+                    core), the same calls as fsdp2, one collective per parameter; flags as
+                    fsdp2's (raf) and int8 (int8 all-gather and reduce-scatter with error
+                    feedback), fusion (comm_fusion: one per module, the package's default
+                    here), e.g. hyperparallel:raf+int8
 
 --deferred-init builds the model on the meta device, applies fully_shard there, then
 allocates only the local shards (to_empty) and initializes them (FSDP2's documented

@@ -28,10 +28,18 @@ ROWS = [
     ("Python", "local", "compute only, no communication (Python)"),
     ("Python", "fsdp2", "FSDP2 defaults, RAF=false"),
     ("Python", "fsdp2:prefetch", "FSDP2 + async unshard + forward prefetch, RAF=false"),
-    ("Python", "hyperparallel", "hyperparallel.fully_shard, RAF=false"),
-    ("Python", "hyperparallel:raf", "hyperparallel.fully_shard, RAF=true"),
-    ("Python", "hyperparallel:fusion", "hyperparallel.fully_shard, comm_fusion, RAF=false"),
-    ("Python", "hyperparallel:int8", "hyperparallel.fully_shard, int8 codecs, RAF=false"),
+    ("Python", "hyperparallel", "hyperparallel.fully_shard per parameter, RAF=false"),
+    ("Python", "hyperparallel:raf", "hyperparallel.fully_shard per parameter, RAF=true"),
+    (
+        "Python",
+        "hyperparallel:fusion",
+        "hyperparallel.fully_shard defaults (comm_fusion), RAF=false",
+    ),
+    (
+        "Python",
+        "hyperparallel:int8",
+        "hyperparallel.fully_shard per parameter, int8 codecs, RAF=false",
+    ),
     (
         "Python",
         "hyperparallel:fusion+int8",

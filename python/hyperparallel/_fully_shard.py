@@ -34,7 +34,7 @@ def fully_shard(
     reduce_scatter_codec: str = "none",
     codec_block_size: int = 256,
     error_feedback: bool = False,
-    comm_fusion: bool = False,
+    comm_fusion: bool | None = None,
     comm_fusion_bucket_bytes: int = 0,
     replicate_params: set[nn.Parameter] | None = None,
 ):
@@ -44,7 +44,9 @@ def fully_shard(
     Beyond FSDP2: ``all_gather_codec`` / ``reduce_scatter_codec`` ("none", "int8", "fp8")
     quantize the collectives in blocks of ``codec_block_size`` values, ``error_feedback``
     carries the reduce-scatter's quantization error to the next step; ``comm_fusion`` moves
-    each module's parameters in one collective (``comm_fusion_bucket_bytes`` splits it);
+    each module's parameters in one collective (``comm_fusion_bucket_bytes`` splits it; the
+    default, None, fuses where the parameters are gathered in one dtype, as FSDP2 gathers
+    a module's parameters together, and per parameter otherwise);
     ``replicate_params`` are kept whole on every rank, their gradients all-reduced.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -68,7 +70,11 @@ def fully_shard(
     comm.reduce_scatter_codec = _C.parse_comm_codec(reduce_scatter_codec)
     comm.block_size = codec_block_size
     comm.error_feedback = error_feedback
-    core_options.comm_fusion = comm_fusion
+    core_options.comm_fusion = (
+        comm_fusion
+        if comm_fusion is not None
+        else _gathered_in_one_dtype(modules, taken, ignored_params, mp_policy)
+    )
     core_options.comm_fusion_bucket_bytes = comm_fusion_bucket_bytes
     core_options.replicate_params = list(replicate_params or ())
     core_state = _C.ShardState(
@@ -205,6 +211,15 @@ def _params_of_sharded_submodules(modules) -> list[nn.Parameter]:
         if isinstance(sub, FSDPModule)
         for p in sub.parameters()
     ]
+
+
+def _gathered_in_one_dtype(modules, taken, ignored_params, mp_policy) -> bool:
+    """Whether the parameters a call shards are all-gathered in one dtype (what comm_fusion
+    packs into one buffer)."""
+    if mp_policy.param_dtype is not None:
+        return True
+    skipped = {id(p) for p in taken} | {id(p) for p in ignored_params or ()}
+    return len({p.dtype for _, p in _candidates(modules) if id(p) not in skipped}) <= 1
 
 
 def _options(

@@ -8,7 +8,7 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEADLINE_S = 240
+DEADLINE_S = 300
 
 
 def _rank_main(rank, world_size, init_file, body, args, errors):

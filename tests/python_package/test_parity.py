@@ -123,7 +123,7 @@ def rerun_body(rank, world_size):
 
 
 class TestParity(unittest.TestCase):
-    def test_two_ranks(self):
+    def test_two_ranks_layouts(self):
         run_ranks(
             2,
             configs_body,
@@ -132,11 +132,20 @@ class TestParity(unittest.TestCase):
                 {"reshard_after_forward": False},
                 {"reshard_after_forward": True},
                 {"shard_dim_1": True},
-                {"accumulate": True},
+                {"group": True},
                 {"comm_fusion": True},
+                {"comm_fusion": None},  # the default: fused here (one dtype)
+            ],
+        )
+
+    def test_two_ranks_training(self):
+        run_ranks(
+            2,
+            configs_body,
+            [
+                {"accumulate": True},
                 {"clip": True},
                 {"frozen": True},
-                {"group": True},
                 {"optimizer": "fused"},
                 {"optimizer": "for-loop"},
                 {"recompute": "reentrant"},
