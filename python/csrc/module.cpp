@@ -33,11 +33,7 @@ void translate_errors(std::exception_ptr error) {
 }
 
 void bind_groups(py::module_& m) {
-  py::class_<hp::Group, hp::GroupPtr>(m, "Group")
-      .def_property_readonly("name", &hp::Group::name)
-      .def_property_readonly("size", &hp::Group::size)
-      .def_property_readonly("rank", &hp::Group::rank)
-      .def_property_readonly("ranks", &hp::Group::ranks);
+  py::class_<hp::Group, hp::GroupPtr>(m, "Group");  // opaque: passed back into the core
   m.def("adopt_process_group", &hp::python::adopt_process_group, py::arg("process_group"),
         py::arg("ranks"), py::arg("device"), py::arg("timeout"));
   m.def("group_of_one", &hp::python::group_of_one, py::arg("rank"), py::arg("device"),
@@ -97,7 +93,6 @@ void bind_module(py::module_& m) {
       .def("unshard", &FSDPModule::unshard, py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
       .def("reshard", &FSDPModule::reshard, py::call_guard<py::gil_scoped_release>())
-      .def("is_unsharded", &FSDPModule::is_unsharded)
       .def("set_requires_gradient_sync", &FSDPModule::set_requires_gradient_sync)
       .def("set_requires_all_reduce", &FSDPModule::set_requires_all_reduce)
       .def("set_reshard_after_forward", &FSDPModule::set_reshard_after_forward)
@@ -105,12 +100,7 @@ void bind_module(py::module_& m) {
       .def("set_is_last_backward", &FSDPModule::set_is_last_backward)
       .def("set_modules_to_forward_prefetch", &FSDPModule::set_modules_to_forward_prefetch)
       .def("set_modules_to_backward_prefetch", &FSDPModule::set_modules_to_backward_prefetch)
-      .def("set_implicit_prefetch", &FSDPModule::set_implicit_prefetch)
-      .def("set_gradient_divide_factor", &FSDPModule::set_gradient_divide_factor)
-      .def("zero_grad", &FSDPModule::zero_grad, py::call_guard<py::gil_scoped_release>())
-      .def("full_tensor", &FSDPModule::full_tensor, py::call_guard<py::gil_scoped_release>())
-      .def("error_feedback_blocks_dropped", &FSDPModule::error_feedback_blocks_dropped)
-      .def("reset_error_feedback", &FSDPModule::reset_error_feedback);
+      .def("set_gradient_divide_factor", &FSDPModule::set_gradient_divide_factor);
 }
 
 void bind_state(py::module_& m) {
@@ -130,9 +120,7 @@ void bind_state(py::module_& m) {
       .def("post_forward", &ShardState::post_forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_failed", &ShardState::forward_failed, py::call_guard<py::gil_scoped_release>())
       .def("is_unsharded", &ShardState::is_unsharded)
-      .def("is_root", &ShardState::is_root)
       .def("sharded_params", &ShardState::sharded_params)
-      .def("replicated_params", &ShardState::replicated_params)
       .def("move_shard", &ShardState::move_shard)
       .def("module", &ShardState::module);
 }

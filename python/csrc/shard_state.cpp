@@ -82,13 +82,6 @@ std::vector<ShardedParamView> ShardState::sharded_params() const {
   return views;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> ShardState::replicated_params() const {
-  std::vector<std::pair<std::string, at::Tensor>> replicated;
-  for (const auto& r : state_->param_group().replicated())
-    replicated.emplace_back(r.name, r.variable);
-  return replicated;
-}
-
 at::Tensor ShardState::move_shard(int64_t index, const at::Tensor& local) {
   const auto& params = state_->param_group().params();
   TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(params.size()),

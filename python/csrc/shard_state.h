@@ -68,10 +68,7 @@ class ShardState {
   void forward_failed();
 
   bool is_unsharded() const;
-  bool is_root() const { return state_->is_root(); }
   std::vector<ShardedParamView> sharded_params() const;
-  // The variables of parameters every rank holds whole (Replicate(), replicate_params).
-  std::vector<std::pair<std::string, at::Tensor>> replicated_params() const;
   // Sharded parameter `index` (of sharded_params()) was moved or cast with its module
   // (module.to(), to_empty()): the core's shard follows `local`. Returns the new shard view.
   at::Tensor move_shard(int64_t index, const at::Tensor& local);
